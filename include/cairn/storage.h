@@ -1,0 +1,146 @@
+// Storage: the one small interface behind which every backend lives.
+//
+// A Storage is rooted at one location (a directory, a shared-memory
+// namespace, an in-memory map, later an S3 prefix). Every path given to it is
+// a *relative key* below that root: '/'-separated, no empty, "." or ".."
+// component, no leading '/', no NUL. ValidateKey() enforces this in every
+// backend, so no call can reach outside the root.
+//
+// Backends (one folder each under src/storage/):
+//   posix  plain directories; direct I/O with aligned buffers where the
+//          filesystem allows it, buffered I/O otherwise.
+//   shm    node shared memory (/dev/shm); survives the process, not the node.
+//   mem    a process-local map, for tests.
+//   fault  a wrapper that injects errors, short writes and latency.
+// Every backend passes the conformance suite in tests/cpp/storage_test.cc.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cairn/status.h"
+
+namespace cairn {
+
+// A file being written. Positional writes to disjoint ranges may run
+// concurrently from several threads; Sync() and Close() must not race writes.
+class WritableFile {
+ public:
+  virtual ~WritableFile() = default;
+
+  // Writes `n` bytes from `data` at byte `offset`. On success all n bytes were
+  // written (short writes are retried internally or reported as an error).
+  virtual Status WriteAt(uint64_t offset, const void* data, size_t n) = 0;
+
+  // Reserves space for `size` bytes (fallocate where supported) so that a
+  // disk-full condition surfaces early. A no-op where unsupported.
+  virtual Status Allocate(uint64_t size) { return Status::OK(); }
+
+  // Makes everything written so far durable (fsync / fdatasync).
+  virtual Status Sync() = 0;
+
+  // Releases the file. Writes after Close() fail. Close() does not imply Sync().
+  virtual Status Close() = 0;
+};
+
+// A file being read. ReadAt may be called concurrently from several threads.
+class ReadableFile {
+ public:
+  virtual ~ReadableFile() = default;
+
+  // Reads exactly `n` bytes at `offset` into `buf`. Reading past the end of the
+  // file returns kOutOfRange (a truncated file is detected by the caller and
+  // reported as data loss with the file's name).
+  virtual Status ReadAt(uint64_t offset, void* buf, size_t n) const = 0;
+
+  // The file's size in bytes at open time.
+  virtual uint64_t Size() const = 0;
+};
+
+struct WriteOptions {
+  // Ask for O_DIRECT where the backend and filesystem support it. Backends
+  // fall back to buffered I/O silently when they cannot honour it.
+  bool direct_io = false;
+};
+
+struct ReadOptions {
+  bool direct_io = false;
+};
+
+// One entry returned by List().
+struct DirEntry {
+  std::string name;  // the last path component
+  bool is_dir = false;
+  uint64_t size = 0;  // bytes, for files
+};
+
+// Thread-safe: every method may be called concurrently.
+class Storage {
+ public:
+  virtual ~Storage() = default;
+
+  // Creates (or truncates) the file `key`, creating parent directories.
+  virtual Result<std::unique_ptr<WritableFile>> NewWritableFile(std::string_view key,
+                                                                const WriteOptions& opts = {}) = 0;
+
+  // Opens the existing file `key`; kNotFound if it does not exist.
+  virtual Result<std::unique_ptr<ReadableFile>> NewReadableFile(std::string_view key,
+                                                                const ReadOptions& opts = {}) = 0;
+
+  // Atomically replaces `to` by `from` (rename(2) semantics).
+  virtual Status Rename(std::string_view from, std::string_view to) = 0;
+
+  // Makes the directory entries of `dir` ("" = the root) durable (fsync on
+  // the directory), so a preceding create or rename survives a power cut.
+  virtual Status SyncDir(std::string_view dir) = 0;
+
+  // Creates directory `dir` and its parents; OK if it already exists.
+  virtual Status CreateDir(std::string_view dir) = 0;
+
+  // Deletes the file `key`; kNotFound if absent.
+  virtual Status DeleteFile(std::string_view key) = 0;
+
+  // Deletes the directory `dir` and everything below it; OK if absent.
+  virtual Status DeleteDir(std::string_view dir) = 0;
+
+  // Lists the entries directly inside `dir` ("" = the root), sorted by name.
+  virtual Result<std::vector<DirEntry>> List(std::string_view dir) = 0;
+
+  // Whether a file or directory named `key` exists.
+  virtual Result<bool> Exists(std::string_view key) = 0;
+
+  // The size of file `key` in bytes.
+  virtual Result<uint64_t> FileSize(std::string_view key) = 0;
+
+  // A human-readable name of the root, e.g. "/data/ckpt" or "shm://job1".
+  virtual std::string Describe() const = 0;
+
+  // The local filesystem path of the root, when the backend has one (posix,
+  // shm); empty otherwise.
+  virtual std::string LocalPath() const { return {}; }
+};
+
+// Checks that `key` is a safe relative key (see the comment at the top).
+// The empty key is valid only when `allow_root` is true.
+Status ValidateKey(std::string_view key, bool allow_root = false);
+
+// Joins two keys with '/', skipping empty parts.
+std::string JoinKey(std::string_view a, std::string_view b);
+
+// Backends. Each returns a Storage rooted at the given place, creating the
+// root directory when `create` is true.
+Result<std::unique_ptr<Storage>> NewPosixStorage(const std::string& root_dir, bool create = true);
+// Shared memory of this node: files under /dev/shm/<name>/ ("shm://name").
+Result<std::unique_ptr<Storage>> NewShmStorage(const std::string& name, bool create = true);
+// A fresh, empty in-memory storage. Its contents die with the object.
+std::unique_ptr<Storage> NewMemStorage();
+
+// Opens the storage named by `uri`: a plain path or "file://PATH" (posix),
+// "shm://NAME" (shm) or "mem://" (a fresh mem storage).
+Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create = true);
+
+}  // namespace cairn

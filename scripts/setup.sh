@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Sets up everything cairn needs on a fresh Debian machine, idempotently:
+# apt packages, a virtual environment in .venv with torch==2.13.0 (CPU), and a
+# build of the C++ core, CLI, tests and Python extension in build/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+APT_PACKAGES=(g++ cmake ninja-build pkg-config libgtest-dev libgmock-dev libbenchmark-dev
+  libxxhash-dev nlohmann-json3-dev libcli11-dev liburing-dev clang-format)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "== installing apt packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${missing[@]}"
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating virtual environment .venv"
+  "$PY" -m venv .venv
+fi
+VPY=$ROOT/.venv/bin/python
+if ! "$VPY" -c "import torch, nanobind, pytest, numpy; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
+  echo "== installing Python packages"
+  "$VPY" -m pip install -q --upgrade pip
+  "$VPY" -m pip install -q "torch==2.13.0" numpy pytest "nanobind>=2.0" "scikit-build-core>=0.10" ninja
+fi
+
+echo "== building (build/)"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCAIRN_BUILD_TESTS=ON -DCAIRN_BUILD_PYTHON=ON \
+  -DPython_EXECUTABLE="$VPY" >/dev/null
+cmake --build build -j"$(nproc)"
+
+# Development install: the package is imported from python/ (the extension is
+# built into python/cairn/), and the CLI is on the venv's PATH.
+site=$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "$ROOT/python" > "$site/cairn-dev.pth"
+ln -sf "$ROOT/build/cairn" "$ROOT/.venv/bin/cairn"
+echo "== setup done"

@@ -1,0 +1,68 @@
+#include "cairn/thread_pool.h"
+
+namespace cairn {
+
+ThreadPool::ThreadPool(size_t num_threads) {
+  if (num_threads == 0) num_threads = 1;
+  threads_.reserve(num_threads);
+  for (size_t i = 0; i < num_threads; ++i) threads_.emplace_back([this] { Loop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void ThreadPool::Submit(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    queue_.push_back(std::move(fn));
+  }
+  cv_.notify_one();
+}
+
+void ThreadPool::Loop() {
+  for (;;) {
+    std::function<void()> fn;
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      cv_.wait(l, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and drained
+      fn = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    fn();
+  }
+}
+
+TaskGroup::~TaskGroup() { Wait().IgnoreError(); }
+
+void TaskGroup::Run(std::function<Status()> fn) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    ++pending_;
+  }
+  pool_->Submit([this, fn = std::move(fn)] {
+    Status s = Cancelled() ? Status::OK() : fn();
+    std::lock_guard<std::mutex> l(mu_);
+    if (!s.ok() && first_error_.ok()) first_error_ = s;
+    if (--pending_ == 0) cv_.notify_all();
+  });
+}
+
+Status TaskGroup::Wait() {
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait(l, [this] { return pending_ == 0; });
+  return first_error_;
+}
+
+bool TaskGroup::Cancelled() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return !first_error_.ok();
+}
+
+}  // namespace cairn
