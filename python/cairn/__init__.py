@@ -8,3 +8,4 @@ from cairn.errors import (
 )
 
 __version__ = "0.1.0"
+from cairn.state import RNGState, TrainState, seed_everything
