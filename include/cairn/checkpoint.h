@@ -127,6 +127,11 @@ class CheckpointReader {
   Result<const ItemLocation*> Locate(const ItemRef& item) const;
   std::string ItemName(const ItemRef& item) const;
 
+  // Opens every data file and checks that its size is the recorded one, so a
+  // missing or truncated file is reported before any read (DataLoss naming
+  // the file and an item it holds). Cheap: no data is read.
+  Status CheckFiles();
+
   // Reads every request in parallel on `pool`. On success each dest holds the
   // item's verified bytes. A checksum mismatch, a truncated or missing data
   // file is DataLoss naming the file and the tensor, e.g.

@@ -112,6 +112,25 @@ Result<const ReadableFile*> CheckpointReader::File(uint32_t index, const std::st
   return raw;
 }
 
+Status CheckpointReader::CheckFiles() {
+  std::vector<std::string> holder(manifest_.files.size());
+  for (size_t t = 0; t < manifest_.tensors.size(); ++t) {
+    for (size_t c = 0; c < manifest_.tensors[t].chunks.size(); ++c) {
+      auto& h = holder[manifest_.tensors[t].chunks[c].location.file];
+      if (h.empty()) h = internal::ChunkName(manifest_.tensors[t], c);
+    }
+  }
+  for (const auto& b : manifest_.bytes) {
+    auto& h = holder[b.location.file];
+    if (h.empty()) h = "item '" + b.fqn + "'";
+  }
+  for (size_t f = 0; f < manifest_.files.size(); ++f) {
+    auto r = File(static_cast<uint32_t>(f), holder[f].empty() ? "no items" : holder[f]);
+    if (!r.ok()) return r.status().WithContext("opening " + Where(storage_, dir_));
+  }
+  return Status::OK();
+}
+
 Status CheckpointReader::Read(const std::vector<ReadRequest>& requests, ThreadPool* pool) {
   const std::string where = "reading " + Where(storage_, dir_);
   // Validate every request and open the files first (serially: cheap), so
