@@ -8,11 +8,15 @@
 //
 // Backends (one folder each under src/storage/):
 //   posix  plain directories; direct I/O with aligned buffers where the
-//          filesystem allows it, buffered I/O otherwise.
+//          filesystem allows it, buffered I/O otherwise. Symbolic links inside
+//          the root are never followed.
 //   shm    node shared memory (/dev/shm); survives the process, not the node.
 //   mem    a process-local map, for tests.
-//   fault  a wrapper that injects errors, short writes and latency.
-// Every backend passes the conformance suite in tests/cpp/storage_test.cc.
+//   fault  a wrapper that injects errors, short writes and latency
+//          (cairn/fault_injection.h).
+// Every backend passes the conformance suite in
+// tests/cpp/storage_conformance_test.cc, which is also the precise contract
+// of each method below (error codes included).
 #pragma once
 
 #include <cstddef>
@@ -91,7 +95,9 @@ class Storage {
   virtual Result<std::unique_ptr<ReadableFile>> NewReadableFile(std::string_view key,
                                                                 const ReadOptions& opts = {}) = 0;
 
-  // Atomically replaces `to` by `from` (rename(2) semantics).
+  // Atomically replaces `to` by `from` (rename(2) semantics): a reader sees
+  // either the old or the new `to`, never a mix. Creates the parents of `to`.
+  // kNotFound if `from` does not exist.
   virtual Status Rename(std::string_view from, std::string_view to) = 0;
 
   // Makes the directory entries of `dir` ("" = the root) durable (fsync on
@@ -105,9 +111,11 @@ class Storage {
   virtual Status DeleteFile(std::string_view key) = 0;
 
   // Deletes the directory `dir` and everything below it; OK if absent.
+  // DeleteDir("") empties the root but keeps it.
   virtual Status DeleteDir(std::string_view dir) = 0;
 
-  // Lists the entries directly inside `dir` ("" = the root), sorted by name.
+  // Lists the entries directly inside `dir` ("" = the root), sorted by name;
+  // kNotFound if `dir` is not a directory.
   virtual Result<std::vector<DirEntry>> List(std::string_view dir) = 0;
 
   // Whether a file or directory named `key` exists.
@@ -135,12 +143,17 @@ std::string JoinKey(std::string_view a, std::string_view b);
 // root directory when `create` is true.
 Result<std::unique_ptr<Storage>> NewPosixStorage(const std::string& root_dir, bool create = true);
 // Shared memory of this node: files under /dev/shm/<name>/ ("shm://name").
+// `name` is a key (it may contain '/').
 Result<std::unique_ptr<Storage>> NewShmStorage(const std::string& name, bool create = true);
+// Where node shared memory is mounted, and the directory behind shm://NAME.
+inline constexpr std::string_view kShmRoot = "/dev/shm";
+std::string ShmDirectory(std::string_view name);
 // A fresh, empty in-memory storage. Its contents die with the object.
 std::unique_ptr<Storage> NewMemStorage();
 
 // Opens the storage named by `uri`: a plain path or "file://PATH" (posix),
-// "shm://NAME" (shm) or "mem://" (a fresh mem storage).
+// "shm://NAME" (shm), "mem://" (a fresh mem storage) or "fault://NAME/SUB"
+// (a registered fault injector's base, see cairn/fault_injection.h).
 Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create = true);
 
 }  // namespace cairn

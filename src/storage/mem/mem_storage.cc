@@ -26,6 +26,20 @@ struct MemFs {
     if (key.empty() || dirs.count(key)) return true;
     return false;
   }
+  // The first proper prefix of `key` ("a", "a/b" for "a/b/c") that is a
+  // file, or "" when none is: such a key cannot be created.
+  std::string FileAncestor(const std::string& key) {
+    for (size_t p = key.find('/'); p != std::string::npos; p = key.find('/', p + 1)) {
+      std::string prefix = key.substr(0, p);
+      if (files.count(prefix)) return prefix;
+    }
+    return {};
+  }
+  Status CheckCreatable(const std::string& key) {
+    std::string a = FileAncestor(key);
+    if (!a.empty()) return FailedPreconditionError(key + ": parent " + a + " is a file");
+    return Status::OK();
+  }
 };
 
 class MemWritableFile final : public WritableFile {
@@ -87,6 +101,7 @@ class MemStorage final : public Storage {
     std::string k(key);
     std::lock_guard<std::mutex> l(fs_->mu);
     if (fs_->dirs.count(k)) return InvalidArgumentError(k + ": is a directory");
+    CAIRN_RETURN_IF_ERROR(fs_->CheckCreatable(k));
     auto data = std::make_shared<std::string>();
     fs_->files[k] = data;
     fs_->AddParents(k);
@@ -106,16 +121,60 @@ class MemStorage final : public Storage {
     CAIRN_RETURN_IF_ERROR(ValidateKey(from));
     CAIRN_RETURN_IF_ERROR(ValidateKey(to));
     std::lock_guard<std::mutex> l(fs_->mu);
-    auto it = fs_->files.find(std::string(from));
-    if (it == fs_->files.end()) return NotFoundError(std::string(from) + ": no such file");
-    auto data = it->second;
-    fs_->files.erase(it);
-    fs_->files[std::string(to)] = data;
-    fs_->AddParents(std::string(to));
+    std::string f(from), t(to);
+    CAIRN_RETURN_IF_ERROR(fs_->CheckCreatable(t));
+    auto it = fs_->files.find(f);
+    if (it != fs_->files.end()) {
+      if (fs_->dirs.count(t)) return InvalidArgumentError(t + ": is a directory");
+      auto data = it->second;
+      fs_->files.erase(it);
+      fs_->files[t] = data;
+      fs_->AddParents(t);
+      return Status::OK();
+    }
+    if (!fs_->dirs.count(f)) return NotFoundError(f + ": no such file or directory");
+    // A directory: move every key below it, as rename(2) does; the target
+    // may only be absent or an empty directory.
+    if (f == t) return Status::OK();
+    if (t.compare(0, f.size() + 1, f + "/") == 0) {
+      return InvalidArgumentError("cannot move " + f + " into itself (" + t + ")");
+    }
+    if (fs_->files.count(t)) return FailedPreconditionError(t + ": is a file");
+    std::string fp = f + "/", tp = t + "/";
+    auto below = [](const auto& c, const std::string& prefix) {
+      auto it = c.lower_bound(prefix);
+      return it != c.end() && KeyOf(*it).compare(0, prefix.size(), prefix) == 0;
+    };
+    if (below(fs_->files, tp) || below(fs_->dirs, tp)) {
+      return AlreadyExistsError(t + ": directory not empty");
+    }
+    std::vector<std::pair<std::string, std::shared_ptr<std::string>>> moved_files;
+    for (auto i = fs_->files.lower_bound(fp);
+         i != fs_->files.end() && i->first.compare(0, fp.size(), fp) == 0;) {
+      moved_files.emplace_back(tp + i->first.substr(fp.size()), i->second);
+      i = fs_->files.erase(i);
+    }
+    std::vector<std::string> moved_dirs;
+    for (auto i = fs_->dirs.lower_bound(fp);
+         i != fs_->dirs.end() && i->compare(0, fp.size(), fp) == 0;) {
+      moved_dirs.push_back(tp + i->substr(fp.size()));
+      i = fs_->dirs.erase(i);
+    }
+    fs_->dirs.erase(f);
+    fs_->dirs.insert(t);
+    fs_->AddParents(t);
+    for (auto& [k, v] : moved_files) fs_->files[k] = std::move(v);
+    for (auto& d : moved_dirs) fs_->dirs.insert(d);
     return Status::OK();
   }
 
-  Status SyncDir(std::string_view dir) override { return ValidateKey(dir, true); }
+  Status SyncDir(std::string_view dir) override {
+    CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
+    std::lock_guard<std::mutex> l(fs_->mu);
+    if (!fs_->IsDir(std::string(dir)))
+      return NotFoundError(std::string(dir) + ": no such directory");
+    return Status::OK();
+  }
 
   Status CreateDir(std::string_view dir) override {
     CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
@@ -123,6 +182,7 @@ class MemStorage final : public Storage {
     std::lock_guard<std::mutex> l(fs_->mu);
     std::string k(dir);
     if (fs_->files.count(k)) return AlreadyExistsError(k + ": is a file");
+    CAIRN_RETURN_IF_ERROR(fs_->CheckCreatable(k));
     fs_->AddParents(k);
     fs_->dirs.insert(k);
     return Status::OK();

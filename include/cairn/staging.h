@@ -1,0 +1,147 @@
+// StagingPool: reusable staging buffers in node shared memory, the first half
+// of an async checkpoint (stage, then persist in the background).
+//
+// Layout. A pool is a directory on tmpfs, normally ShmDirectory("cairn-JOB"),
+// shared by the ranks of a node. It holds `num_slots` slots; slot k of rank r
+// is one file, by default
+//
+//   <root_dir>/slot<k>/data/r<r>.bin
+//
+// i.e. the data file name of a cairn checkpoint (format::DataFileKey), so a
+// slot directory becomes a complete memory-tier checkpoint once a manifest is
+// written next to data/ (the tier manager's job, not the pool's).
+//
+// Life of a slot. Acquire() picks the free slot released longest ago (so a
+// freshly staged checkpoint stays intact as long as possible, and ranks that
+// make the same calls pick the same slot) and makes sure its file holds at
+// least the requested bytes: the file grows (fallocate, never truncation),
+// is mapped MAP_SHARED and is pre-faulted once per process, so later saves
+// into it take no page faults and touch no allocator. The caller then fills
+// it (CopyIn: a parallel memcpy), persists it from the same memory, and
+// Release()s it; the memory stays mapped for the next Acquire. A slot held by
+// a persist, or kept as a memory-tier checkpoint, is simply not released.
+// Memory use is the sum of the slot capacities: flat across saves of the
+// same state, growing only when the state grows.
+//
+// Crashes. The files are in shared memory, so the staged bytes survive a
+// crash of the process (not of the node). A new pool opened on the same
+// directory and rank finds the files as they were; AcquireSlot(k, 0) maps
+// slot k's existing bytes for a restore. Close() unmaps and deletes the
+// rank's files (and the directories once empty); set remove_on_close=false to
+// keep them. Each file is flock()ed while open: a second live process opening
+// the same rank's pool fails instead of corrupting it.
+//
+// Thread-safety: every method may be called from any thread; the bytes of an
+// acquired slot belong to its acquirer until Release(). Close() (or the
+// destructor) must not race other calls, and invalidates every address
+// handed out. An address stays valid until Close() or until an Acquire of
+// the same slot grows it (which may move it: read StagingSlot::data again
+// after every Acquire, and re-register pinned memory if it changed).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cairn/status.h"
+#include "cairn/thread_pool.h"
+
+namespace cairn {
+
+// One contiguous copy of `nbytes` from `src` to byte `dst_offset` of the
+// destination. Spans of one call must not overlap in the destination.
+struct CopySpan {
+  const void* src = nullptr;
+  uint64_t dst_offset = 0;
+  uint64_t nbytes = 0;
+};
+
+// Copies are cut into pieces of this size, spread over the threads.
+inline constexpr uint64_t kDefaultCopyPieceBytes = uint64_t{16} << 20;
+
+// Copies every span into [dst, dst + dst_size) on `pool` plus the calling
+// thread (just the caller when pool is null), big spans cut into pieces of
+// `piece_bytes`. kOutOfRange (and nothing copied) if a span does not fit;
+// kInvalidArgument for a null src with nbytes > 0. Blocks until done.
+Status ParallelCopy(void* dst, uint64_t dst_size, std::span<const CopySpan> spans, ThreadPool* pool,
+                    uint64_t piece_bytes = kDefaultCopyPieceBytes);
+
+struct StagingPoolOptions {
+  // The pool's directory, absolute; created if missing. Normally on tmpfs
+  // (ShmDirectory(...)); any local directory works (then it is a page-cache
+  // backed mapping, for tests).
+  std::string root_dir;
+  // The rank whose files this pool object owns.
+  uint32_t rank = 0;
+  // Number of slots (>= 1): keep-in-memory count + 1 for the save in flight.
+  size_t num_slots = 2;
+  // The slot file below "slot<k>/"; empty = "data/r<rank>.bin".
+  std::string file_key;
+  // Pre-fault each slot's pages once per process (recommended).
+  bool populate = true;
+  // Close() deletes this rank's files (and empty directories).
+  bool remove_on_close = true;
+};
+
+// A view of one acquired slot.
+struct StagingSlot {
+  size_t index = 0;
+  char* data = nullptr;   // the mapped bytes, MAP_SHARED
+  uint64_t capacity = 0;  // bytes mapped (>= the bytes asked for)
+  std::string path;       // the file's local path
+  std::string key;        // the file relative to root_dir: "slot<k>/data/r<rank>.bin"
+};
+
+class StagingPool {
+ public:
+  // Creates the directory and remembers the options; maps nothing yet.
+  static Result<std::unique_ptr<StagingPool>> Open(StagingPoolOptions opts);
+  ~StagingPool();  // Close(), ignoring errors
+  StagingPool(const StagingPool&) = delete;
+  StagingPool& operator=(const StagingPool&) = delete;
+
+  // Acquires the free slot released longest ago with at least `min_bytes`
+  // of capacity (growing it if needed). kResourceExhausted when every slot is
+  // in use or shared memory is full.
+  Result<StagingSlot> Acquire(uint64_t min_bytes);
+  // Acquires slot `index` specifically (e.g. to hold or restore a staged
+  // checkpoint found after a restart; min_bytes 0 maps what the file has).
+  // kFailedPrecondition if it is in use, kInvalidArgument if out of range.
+  Result<StagingSlot> AcquireSlot(size_t index, uint64_t min_bytes);
+  // Returns slot `index` to the pool; its bytes and mapping stay.
+  Status Release(size_t index);
+
+  // ParallelCopy into acquired slot `index`.
+  Status CopyIn(size_t index, std::span<const CopySpan> spans, ThreadPool* pool,
+                uint64_t piece_bytes = kDefaultCopyPieceBytes);
+
+  size_t num_slots() const { return slots_.size(); }
+  bool in_use(size_t index) const;
+  // Bytes of shared memory held by this rank's slot files.
+  uint64_t footprint() const;
+  const StagingPoolOptions& options() const { return opts_; }
+  // "slot<k>", the slot's directory relative to root_dir.
+  static std::string SlotDirName(size_t index);
+
+  // Unmaps every slot and, with remove_on_close, deletes this rank's files
+  // and the directories left empty. Idempotent.
+  Status Close();
+
+ private:
+  struct Slot;
+  explicit StagingPool(StagingPoolOptions opts);
+  Result<StagingSlot> AcquireLocked(size_t index, uint64_t min_bytes);
+  Result<StagingSlot> SlotView(size_t index) const;
+
+  StagingPoolOptions opts_;
+  mutable std::mutex mu_;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  uint64_t release_seq_ = 0;
+  bool closed_ = false;
+};
+
+}  // namespace cairn

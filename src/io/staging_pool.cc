@@ -1,0 +1,230 @@
+// StagingPool and ParallelCopy (the slot life cycle is described in
+// include/cairn/staging.h).
+#include <unistd.h>
+
+#include <cstring>
+#include <limits>
+
+#include "cairn/staging.h"
+#include "io/parallel.h"
+#include "storage/posix/posix_storage.h"
+#include "storage/shm/mapped_file.h"
+
+namespace cairn {
+
+Status ParallelCopy(void* dst, uint64_t dst_size, std::span<const CopySpan> spans, ThreadPool* pool,
+                    uint64_t piece_bytes) {
+  if (piece_bytes == 0) return InvalidArgumentError("copy piece size must be positive");
+  struct Piece {
+    const char* src;
+    char* dst;
+    size_t n;
+  };
+  // Validate everything first: a bad span copies nothing.
+  size_t num_pieces = 0;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const CopySpan& s = spans[i];
+    if (s.nbytes == 0) continue;
+    if (!s.src) return InvalidArgumentError("copy span " + std::to_string(i) + ": null source");
+    if (s.dst_offset > dst_size || dst_size - s.dst_offset < s.nbytes) {
+      return OutOfRangeError("copy span " + std::to_string(i) + ": " + std::to_string(s.nbytes) +
+                             " bytes at offset " + std::to_string(s.dst_offset) +
+                             " do not fit a buffer of " + std::to_string(dst_size) + " bytes");
+    }
+    num_pieces += static_cast<size_t>((s.nbytes + piece_bytes - 1) / piece_bytes);
+  }
+  std::vector<Piece> pieces;
+  pieces.reserve(num_pieces);
+  char* base = static_cast<char*>(dst);
+  for (const CopySpan& s : spans) {
+    for (uint64_t off = 0; off < s.nbytes; off += piece_bytes) {
+      pieces.push_back(Piece{static_cast<const char*>(s.src) + off, base + s.dst_offset + off,
+                             static_cast<size_t>(std::min(piece_bytes, s.nbytes - off))});
+    }
+  }
+  internal::ParallelFor(pieces.size(), pool, 0,
+                        [&](size_t i) { std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].n); });
+  return Status::OK();
+}
+
+struct StagingPool::Slot {
+  std::unique_ptr<internal::MappedShmFile> file;  // null until first acquired
+  bool in_use = false;
+  bool populated = false;     // pre-faulted in this process since the last map
+  uint64_t last_release = 0;  // release_seq_ at the last Release (0 = never)
+};
+
+std::string StagingPool::SlotDirName(size_t index) { return "slot" + std::to_string(index); }
+
+StagingPool::StagingPool(StagingPoolOptions opts) : opts_(std::move(opts)) {
+  for (size_t i = 0; i < opts_.num_slots; ++i) slots_.push_back(std::make_unique<Slot>());
+}
+
+StagingPool::~StagingPool() { Close().IgnoreError(); }
+
+Result<std::unique_ptr<StagingPool>> StagingPool::Open(StagingPoolOptions opts) {
+  if (opts.root_dir.empty() || opts.root_dir.front() != '/') {
+    return InvalidArgumentError("staging pool directory must be an absolute path, got '" +
+                                opts.root_dir + "'");
+  }
+  if (opts.num_slots == 0 || opts.num_slots > 1024) {
+    return InvalidArgumentError("staging pool needs 1 to 1024 slots, got " +
+                                std::to_string(opts.num_slots));
+  }
+  while (opts.root_dir.size() > 1 && opts.root_dir.back() == '/') opts.root_dir.pop_back();
+  if (opts.file_key.empty()) opts.file_key = "data/r" + std::to_string(opts.rank) + ".bin";
+  CAIRN_RETURN_IF_ERROR(ValidateKey(opts.file_key).WithContext("staging pool file name"));
+  CAIRN_RETURN_IF_ERROR(internal::MkdirAll(opts.root_dir).WithContext("staging pool"));
+  return std::unique_ptr<StagingPool>(new StagingPool(std::move(opts)));
+}
+
+Result<StagingSlot> StagingPool::SlotView(size_t index) const {
+  const Slot& s = *slots_[index];
+  StagingSlot v;
+  v.index = index;
+  v.data = s.file ? s.file->data() : nullptr;
+  v.capacity = s.file ? s.file->size() : 0;
+  v.key = SlotDirName(index) + "/" + opts_.file_key;
+  v.path = opts_.root_dir + "/" + v.key;
+  return v;
+}
+
+Result<StagingSlot> StagingPool::AcquireLocked(size_t index, uint64_t min_bytes) {
+  Slot& s = *slots_[index];
+  std::string key = SlotDirName(index) + "/" + opts_.file_key;
+  std::string path = opts_.root_dir + "/" + key;
+  auto ctx = [&](const Status& st) {
+    return st.WithContext("staging slot " + std::to_string(index) + " of rank " +
+                          std::to_string(opts_.rank));
+  };
+  if (!s.file) {
+    CAIRN_RETURN_IF_ERROR(ctx(internal::MkdirAll(path.substr(0, path.rfind('/')))));
+    auto f = internal::MappedShmFile::Open(path);
+    if (!f.ok()) return ctx(f.status());
+    s.file = std::move(f).value();
+  }
+  if (min_bytes > s.file->size()) {
+    CAIRN_RETURN_IF_ERROR(ctx(s.file->Grow(min_bytes)));
+    s.populated = false;
+  }
+  if (opts_.populate && !s.populated) {
+    CAIRN_RETURN_IF_ERROR(ctx(s.file->Populate()));
+    s.populated = true;
+  }
+  s.in_use = true;
+  return SlotView(index);
+}
+
+Result<StagingSlot> StagingPool::Acquire(uint64_t min_bytes) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (closed_) return FailedPreconditionError("staging pool is closed");
+  size_t best = slots_.size();
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i]->in_use) continue;
+    if (best == slots_.size() || slots_[i]->last_release < slots_[best]->last_release) best = i;
+  }
+  if (best == slots_.size()) {
+    return ResourceExhaustedError("all " + std::to_string(slots_.size()) +
+                                  " staging slots are in use (release one, or open the pool "
+                                  "with more slots)");
+  }
+  return AcquireLocked(best, min_bytes);
+}
+
+Result<StagingSlot> StagingPool::AcquireSlot(size_t index, uint64_t min_bytes) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (closed_) return FailedPreconditionError("staging pool is closed");
+  if (index >= slots_.size()) {
+    return InvalidArgumentError("staging slot " + std::to_string(index) +
+                                " out of range (pool has " + std::to_string(slots_.size()) + ")");
+  }
+  if (slots_[index]->in_use) {
+    return FailedPreconditionError("staging slot " + std::to_string(index) + " is in use");
+  }
+  return AcquireLocked(index, min_bytes);
+}
+
+Status StagingPool::Release(size_t index) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (index >= slots_.size()) {
+    return InvalidArgumentError("staging slot " + std::to_string(index) + " out of range");
+  }
+  Slot& s = *slots_[index];
+  if (!s.in_use) {
+    return FailedPreconditionError("staging slot " + std::to_string(index) + " is not in use");
+  }
+  s.in_use = false;
+  s.last_release = ++release_seq_;
+  return Status::OK();
+}
+
+Status StagingPool::CopyIn(size_t index, std::span<const CopySpan> spans, ThreadPool* pool,
+                           uint64_t piece_bytes) {
+  char* data;
+  uint64_t cap;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (index >= slots_.size()) {
+      return InvalidArgumentError("staging slot " + std::to_string(index) + " out of range");
+    }
+    if (!slots_[index]->in_use) {
+      return FailedPreconditionError("copy into staging slot " + std::to_string(index) +
+                                     ", which is not acquired");
+    }
+    data = slots_[index]->file->data();
+    cap = slots_[index]->file->size();
+  }
+  // The slot is the caller's until Release, so the copy runs unlocked.
+  return ParallelCopy(data, cap, spans, pool, piece_bytes)
+      .WithContext("staging into slot " + std::to_string(index));
+}
+
+bool StagingPool::in_use(size_t index) const {
+  std::lock_guard<std::mutex> l(mu_);
+  return index < slots_.size() && slots_[index]->in_use;
+}
+
+uint64_t StagingPool::footprint() const {
+  std::lock_guard<std::mutex> l(mu_);
+  uint64_t total = 0;
+  for (const auto& s : slots_) total += s->file ? s->file->size() : 0;
+  return total;
+}
+
+Status StagingPool::Close() {
+  std::lock_guard<std::mutex> l(mu_);
+  if (closed_) return Status::OK();
+  closed_ = true;
+  Status first;
+  auto keep = [&](Status s) {
+    if (first.ok() && !s.ok()) first = std::move(s);
+  };
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    Slot& s = *slots_[i];
+    std::string path = opts_.root_dir + "/" + SlotDirName(i) + "/" + opts_.file_key;
+    if (s.file) {
+      keep(s.file->Close(opts_.remove_on_close));
+      s.file.reset();
+    } else if (opts_.remove_on_close) {
+      // A file left by an earlier (crashed) process of this rank that this
+      // one never used: it goes too, or shared memory would leak.
+      if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+        keep(ErrnoToStatus(errno, "delete " + path));
+      }
+    }
+    s.in_use = false;
+    if (!opts_.remove_on_close) continue;
+    // Remove the directories left empty, innermost first. Another rank's
+    // files keep them alive (ENOTEMPTY): that rank's Close removes them; the
+    // last rank to finish its unlinks always finds them empty.
+    std::string dir = path.substr(0, path.rfind('/'));
+    while (dir.size() > opts_.root_dir.size()) {
+      if (::rmdir(dir.c_str()) != 0) break;
+      dir = dir.substr(0, dir.rfind('/'));
+    }
+  }
+  if (opts_.remove_on_close) ::rmdir(opts_.root_dir.c_str());
+  return first.WithContext("closing staging pool " + opts_.root_dir);
+}
+
+}  // namespace cairn

@@ -1,0 +1,391 @@
+// FaultInjectionStorage and the fault:// registry (see
+// include/cairn/fault_injection.h for what each rule does).
+//
+// Every call goes: count it, sleep its latency, ask the rules; if a rule
+// fires, fail before touching the base (a short write first forwards the
+// leading bytes), otherwise forward and, for reads and writes, throttle by
+// the bandwidth cap afterwards.
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <thread>
+#include <unordered_map>
+
+#include "cairn/fault_injection.h"
+
+namespace cairn {
+std::string_view FaultOpName(FaultOp op) {
+  switch (op) {
+    case FaultOp::kCreate:
+      return "create";
+    case FaultOp::kOpen:
+      return "open";
+    case FaultOp::kWrite:
+      return "write";
+    case FaultOp::kAllocate:
+      return "allocate";
+    case FaultOp::kSync:
+      return "sync";
+    case FaultOp::kClose:
+      return "close";
+    case FaultOp::kRead:
+      return "read";
+    case FaultOp::kRename:
+      return "rename";
+    case FaultOp::kSyncDir:
+      return "syncdir";
+    case FaultOp::kCreateDir:
+      return "createdir";
+    case FaultOp::kDelete:
+      return "delete";
+    case FaultOp::kDeleteDir:
+      return "deletedir";
+    case FaultOp::kList:
+      return "list";
+    case FaultOp::kExists:
+      return "exists";
+    case FaultOp::kFileSize:
+      return "filesize";
+  }
+  return "unknown";
+}
+
+Result<FaultOp> ParseFaultOp(std::string_view name) {
+  for (int i = 0; i < kNumFaultOps; ++i) {
+    if (FaultOpName(static_cast<FaultOp>(i)) == name) return static_cast<FaultOp>(i);
+  }
+  return InvalidArgumentError("unknown storage operation '" + std::string(name) +
+                              "' (expected create, open, write, allocate, sync, close, read, "
+                              "rename, syncdir, createdir, delete, deletedir, list, exists or "
+                              "filesize)");
+}
+
+// ---- FaultInjector -----------------------------------------------------------
+
+int FaultInjector::AddRule(FaultRule rule) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (rule.nth == 0) rule.nth = 1;
+  rules_.push_back(ActiveRule{next_id_, std::move(rule), 0});
+  return next_id_++;
+}
+
+bool FaultInjector::RemoveRule(int id) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = std::find_if(rules_.begin(), rules_.end(), [&](const auto& r) { return r.id == id; });
+  if (it == rules_.end()) return false;
+  rules_.erase(it);
+  return true;
+}
+
+void FaultInjector::ClearRules() {
+  std::lock_guard<std::mutex> l(mu_);
+  rules_.clear();
+}
+
+void FaultInjector::SetLatency(FaultOp op, std::chrono::microseconds delay) {
+  std::lock_guard<std::mutex> l(mu_);
+  latency_[static_cast<int>(op)] = std::max(delay, std::chrono::microseconds(0));
+}
+
+void FaultInjector::SetBandwidth(uint64_t bytes_per_second) {
+  std::lock_guard<std::mutex> l(mu_);
+  bandwidth_ = bytes_per_second;
+  pipe_free_ = std::chrono::steady_clock::time_point{};
+}
+
+uint64_t FaultInjector::Calls(FaultOp op) const { return calls_[static_cast<int>(op)].load(); }
+
+uint64_t FaultInjector::Injected() const { return injected_.load(); }
+
+void FaultInjector::ResetCounters() {
+  for (auto& c : calls_) c.store(0);
+  injected_.store(0);
+}
+
+FaultInjector::Decision FaultInjector::OnCall(FaultOp op, std::string_view key,
+                                              std::string_view key2) {
+  calls_[static_cast<int>(op)].fetch_add(1);
+  std::chrono::microseconds delay{0};
+  Decision d;
+  bool crash = false;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    delay = latency_[static_cast<int>(op)];
+    for (auto& r : rules_) {
+      const FaultRule& rule = r.rule;
+      if (rule.op != op) continue;
+      if (!rule.key_contains.empty() && key.find(rule.key_contains) == std::string_view::npos &&
+          key2.find(rule.key_contains) == std::string_view::npos) {
+        continue;
+      }
+      uint64_t n = ++r.matched;
+      bool fires = n >= rule.nth && (rule.count == 0 || n < rule.nth + rule.count);
+      if (!fires) continue;
+      if (rule.crash) {
+        crash = true;
+        break;
+      }
+      std::string what = "injected fault: " + std::string(FaultOpName(op)) + " " +
+                         std::string(key.empty() ? std::string_view("<root>") : key);
+      d.status = ErrnoToStatus(rule.error, what);
+      d.partial_bytes = rule.partial_bytes;
+      injected_.fetch_add(1);
+      break;
+    }
+  }
+  if (crash) {
+    // A crash is a crash: no destructors, no flushing, like kill -9.
+    ::kill(::getpid(), SIGKILL);
+    ::_exit(137);
+  }
+  if (delay.count() > 0) std::this_thread::sleep_for(delay);
+  return d;
+}
+
+void FaultInjector::Throttle(uint64_t bytes) {
+  std::chrono::steady_clock::time_point until;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (bandwidth_ == 0 || bytes == 0) return;
+    auto now = std::chrono::steady_clock::now();
+    auto start = std::max(now, pipe_free_);
+    auto cost = std::chrono::nanoseconds(
+        static_cast<int64_t>(static_cast<double>(bytes) * 1e9 / static_cast<double>(bandwidth_)));
+    pipe_free_ = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(cost);
+    until = pipe_free_;
+  }
+  std::this_thread::sleep_until(until);
+}
+
+// ---- files -------------------------------------------------------------------
+
+namespace {
+
+class FaultWritableFile final : public WritableFile {
+ public:
+  FaultWritableFile(std::unique_ptr<WritableFile> base, std::string key,
+                    std::shared_ptr<FaultInjector> inj)
+      : base_(std::move(base)), key_(std::move(key)), inj_(std::move(inj)) {}
+
+  Status WriteAt(uint64_t offset, const void* data, size_t n) override {
+    auto d = inj_->OnCall(FaultOp::kWrite, key_);
+    if (!d.status.ok()) {
+      if (d.partial_bytes > 0 && n > 0) {
+        size_t part = std::min<uint64_t>(static_cast<uint64_t>(d.partial_bytes), n - 1);
+        if (part > 0) base_->WriteAt(offset, data, part).IgnoreError();
+      }
+      return d.status;
+    }
+    Status s = base_->WriteAt(offset, data, n);
+    inj_->Throttle(n);
+    return s;
+  }
+  Status Allocate(uint64_t size) override {
+    auto d = inj_->OnCall(FaultOp::kAllocate, key_);
+    return d.status.ok() ? base_->Allocate(size) : d.status;
+  }
+  Status Sync() override {
+    auto d = inj_->OnCall(FaultOp::kSync, key_);
+    return d.status.ok() ? base_->Sync() : d.status;
+  }
+  Status Close() override {
+    auto d = inj_->OnCall(FaultOp::kClose, key_);
+    if (!d.status.ok()) {
+      // The descriptor is released anyway, as close(2) does on error.
+      base_->Close().IgnoreError();
+      return d.status;
+    }
+    return base_->Close();
+  }
+
+ private:
+  std::unique_ptr<WritableFile> base_;
+  std::string key_;
+  std::shared_ptr<FaultInjector> inj_;
+};
+
+class FaultReadableFile final : public ReadableFile {
+ public:
+  FaultReadableFile(std::unique_ptr<ReadableFile> base, std::string key,
+                    std::shared_ptr<FaultInjector> inj)
+      : base_(std::move(base)), key_(std::move(key)), inj_(std::move(inj)) {}
+
+  Status ReadAt(uint64_t offset, void* buf, size_t n) const override {
+    auto d = inj_->OnCall(FaultOp::kRead, key_);
+    if (!d.status.ok()) return d.status;
+    Status s = base_->ReadAt(offset, buf, n);
+    inj_->Throttle(n);
+    return s;
+  }
+  uint64_t Size() const override { return base_->Size(); }
+
+ private:
+  std::unique_ptr<ReadableFile> base_;
+  std::string key_;
+  std::shared_ptr<FaultInjector> inj_;
+};
+
+}  // namespace
+
+// ---- FaultInjectionStorage ---------------------------------------------------
+
+FaultInjectionStorage::FaultInjectionStorage(std::unique_ptr<Storage> base,
+                                             std::shared_ptr<FaultInjector> injector)
+    : owned_(std::move(base)),
+      base_(owned_.get()),
+      injector_(injector ? std::move(injector) : std::make_shared<FaultInjector>()) {}
+
+FaultInjectionStorage::FaultInjectionStorage(Storage* base, std::shared_ptr<FaultInjector> injector)
+    : base_(base), injector_(injector ? std::move(injector) : std::make_shared<FaultInjector>()) {}
+
+// Key validation comes first, as in every backend, so an invalid key is
+// rejected the same way with or without the wrapper.
+Result<std::unique_ptr<WritableFile>> FaultInjectionStorage::NewWritableFile(
+    std::string_view key, const WriteOptions& opts) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
+  auto d = injector_->OnCall(FaultOp::kCreate, key);
+  if (!d.status.ok()) return d.status;
+  CAIRN_ASSIGN_OR_RETURN(auto f, base_->NewWritableFile(key, opts));
+  return std::unique_ptr<WritableFile>(
+      new FaultWritableFile(std::move(f), std::string(key), injector_));
+}
+
+Result<std::unique_ptr<ReadableFile>> FaultInjectionStorage::NewReadableFile(
+    std::string_view key, const ReadOptions& opts) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
+  auto d = injector_->OnCall(FaultOp::kOpen, key);
+  if (!d.status.ok()) return d.status;
+  CAIRN_ASSIGN_OR_RETURN(auto f, base_->NewReadableFile(key, opts));
+  return std::unique_ptr<ReadableFile>(
+      new FaultReadableFile(std::move(f), std::string(key), injector_));
+}
+
+Status FaultInjectionStorage::Rename(std::string_view from, std::string_view to) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(from));
+  CAIRN_RETURN_IF_ERROR(ValidateKey(to));
+  auto d = injector_->OnCall(FaultOp::kRename, from, to);
+  return d.status.ok() ? base_->Rename(from, to) : d.status;
+}
+
+Status FaultInjectionStorage::SyncDir(std::string_view dir) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
+  auto d = injector_->OnCall(FaultOp::kSyncDir, dir);
+  return d.status.ok() ? base_->SyncDir(dir) : d.status;
+}
+
+Status FaultInjectionStorage::CreateDir(std::string_view dir) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
+  auto d = injector_->OnCall(FaultOp::kCreateDir, dir);
+  return d.status.ok() ? base_->CreateDir(dir) : d.status;
+}
+
+Status FaultInjectionStorage::DeleteFile(std::string_view key) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
+  auto d = injector_->OnCall(FaultOp::kDelete, key);
+  return d.status.ok() ? base_->DeleteFile(key) : d.status;
+}
+
+Status FaultInjectionStorage::DeleteDir(std::string_view dir) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
+  auto d = injector_->OnCall(FaultOp::kDeleteDir, dir);
+  return d.status.ok() ? base_->DeleteDir(dir) : d.status;
+}
+
+Result<std::vector<DirEntry>> FaultInjectionStorage::List(std::string_view dir) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
+  auto d = injector_->OnCall(FaultOp::kList, dir);
+  if (!d.status.ok()) return d.status;
+  return base_->List(dir);
+}
+
+Result<bool> FaultInjectionStorage::Exists(std::string_view key) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(key, true));
+  auto d = injector_->OnCall(FaultOp::kExists, key);
+  if (!d.status.ok()) return d.status;
+  return base_->Exists(key);
+}
+
+Result<uint64_t> FaultInjectionStorage::FileSize(std::string_view key) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
+  auto d = injector_->OnCall(FaultOp::kFileSize, key);
+  if (!d.status.ok()) return d.status;
+  return base_->FileSize(key);
+}
+
+std::string FaultInjectionStorage::Describe() const { return base_->Describe(); }
+
+// ---- registry ----------------------------------------------------------------
+
+namespace {
+
+struct RegistryEntry {
+  std::string base_uri;
+  std::shared_ptr<FaultInjector> injector;
+};
+
+std::mutex& RegistryMu() {
+  static std::mutex mu;
+  return mu;
+}
+std::unordered_map<std::string, RegistryEntry>& Registry() {
+  static auto* r = new std::unordered_map<std::string, RegistryEntry>();
+  return *r;
+}
+
+}  // namespace
+
+Status RegisterFaultInjector(const std::string& name, const std::string& base_uri,
+                             std::shared_ptr<FaultInjector> injector) {
+  if (name.empty() || name.find('/') != std::string::npos || name.find('\0') != std::string::npos) {
+    return InvalidArgumentError("fault injector name '" + name +
+                                "' must be non-empty and contain no '/'");
+  }
+  if (base_uri.empty()) return InvalidArgumentError("fault injector '" + name + "': empty base");
+  if (base_uri.rfind("mem://", 0) == 0 || base_uri.rfind("fault://", 0) == 0) {
+    return InvalidArgumentError("fault injector '" + name + "': base '" + base_uri +
+                                "' must be a path, file:// or shm:// URI");
+  }
+  if (!injector) return InvalidArgumentError("fault injector '" + name + "': null injector");
+  std::lock_guard<std::mutex> l(RegistryMu());
+  Registry()[name] = RegistryEntry{base_uri, std::move(injector)};
+  return Status::OK();
+}
+
+bool UnregisterFaultInjector(const std::string& name) {
+  std::lock_guard<std::mutex> l(RegistryMu());
+  return Registry().erase(name) > 0;
+}
+
+Result<std::unique_ptr<Storage>> OpenFaultStorage(std::string_view uri, bool create) {
+  constexpr std::string_view kScheme = "fault://";
+  if (uri.substr(0, kScheme.size()) != kScheme) {
+    return InvalidArgumentError("not a fault:// URI: " + std::string(uri));
+  }
+  std::string_view rest = uri.substr(kScheme.size());
+  size_t slash = rest.find('/');
+  std::string name(rest.substr(0, slash));
+  std::string_view sub =
+      slash == std::string_view::npos ? std::string_view() : rest.substr(slash + 1);
+  while (!sub.empty() && sub.back() == '/') sub.remove_suffix(1);
+  if (!sub.empty()) CAIRN_RETURN_IF_ERROR(ValidateKey(sub).WithContext(std::string(uri)));
+  RegistryEntry entry;
+  {
+    std::lock_guard<std::mutex> l(RegistryMu());
+    auto it = Registry().find(name);
+    if (it == Registry().end()) {
+      return NotFoundError(std::string(uri) + ": no fault injector named '" + name +
+                           "' is registered in this process");
+    }
+    entry = it->second;
+  }
+  std::string base_uri = entry.base_uri;
+  if (!sub.empty()) {
+    while (base_uri.size() > 1 && base_uri.back() == '/') base_uri.pop_back();
+    base_uri += "/" + std::string(sub);
+  }
+  CAIRN_ASSIGN_OR_RETURN(auto base, OpenStorage(base_uri, create));
+  return std::unique_ptr<Storage>(new FaultInjectionStorage(std::move(base), entry.injector));
+}
+
+}  // namespace cairn

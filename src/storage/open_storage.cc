@@ -1,0 +1,26 @@
+// OpenStorage: the one place where a URI picks a backend.
+#include "cairn/fault_injection.h"
+#include "cairn/storage.h"
+
+namespace cairn {
+
+Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create) {
+  constexpr std::string_view kFile = "file://", kShm = "shm://", kMem = "mem://",
+                             kFault = "fault://";
+  auto starts = [&](std::string_view p) { return uri.substr(0, p.size()) == p; };
+  if (uri.empty()) return InvalidArgumentError("empty storage URI");
+  if (starts(kShm)) {
+    std::string_view name = uri.substr(kShm.size());
+    while (!name.empty() && name.back() == '/') name.remove_suffix(1);
+    return NewShmStorage(std::string(name), create);
+  }
+  if (uri == kMem) return std::unique_ptr<Storage>(NewMemStorage());
+  if (starts(kFault)) return OpenFaultStorage(uri, create);
+  if (starts(kFile)) uri.remove_prefix(kFile.size());
+  if (uri.find("://") != std::string_view::npos) {
+    return InvalidArgumentError("unsupported storage URI scheme: " + std::string(uri));
+  }
+  return NewPosixStorage(std::string(uri), create);
+}
+
+}  // namespace cairn

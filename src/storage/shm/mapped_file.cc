@@ -1,0 +1,107 @@
+#include "storage/shm/mapped_file.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+namespace cairn::internal {
+
+Result<std::unique_ptr<MappedShmFile>> MappedShmFile::Open(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) return ErrnoToStatus(errno, "open " + path);
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    int err = errno;
+    ::close(fd);
+    if (err == EWOULDBLOCK) {
+      return FailedPreconditionError(path +
+                                     ": in use by another process (is a second job using "
+                                     "the same staging directory and rank?)");
+    }
+    return ErrnoToStatus(err, "lock " + path);
+  }
+  std::unique_ptr<MappedShmFile> f(new MappedShmFile(path, fd));
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoToStatus(errno, "stat " + path);
+  if (!S_ISREG(st.st_mode)) return FailedPreconditionError(path + ": not a regular file");
+  CAIRN_RETURN_IF_ERROR(f->Map(static_cast<uint64_t>(st.st_size)));
+  return f;
+}
+
+MappedShmFile::~MappedShmFile() { Close(false).IgnoreError(); }
+
+Status MappedShmFile::Map(uint64_t size) {
+  if (data_) {
+    ::munmap(data_, size_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+  if (size == 0) return Status::OK();
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) return ErrnoToStatus(errno, "mmap " + path_);
+  // Transparent huge pages where the tmpfs allows them (shmem_enabled=advise):
+  // fewer TLB misses during the copy. Harmless when not.
+  ::madvise(p, size, MADV_HUGEPAGE);
+  data_ = static_cast<char*>(p);
+  size_ = size;
+  return Status::OK();
+}
+
+Status MappedShmFile::Grow(uint64_t min_bytes) {
+  if (fd_ < 0) return FailedPreconditionError(path_ + ": closed");
+  if (min_bytes <= size_) return Status::OK();
+  uint64_t want = (min_bytes + kGrowAlign - 1) / kGrowAlign * kGrowAlign;
+  // fallocate reserves the pages now: ENOSPC here instead of SIGBUS later.
+  int rc = ::posix_fallocate(fd_, static_cast<off_t>(size_), static_cast<off_t>(want - size_));
+  if (rc == EOPNOTSUPP || rc == EINVAL) {
+    if (::ftruncate(fd_, static_cast<off_t>(want)) != 0)
+      rc = errno;
+    else
+      rc = 0;
+  }
+  if (rc != 0) {
+    // Give back what a partial fallocate took; the old size stays valid.
+    if (::ftruncate(fd_, static_cast<off_t>(size_)) != 0) {
+    }
+    return ErrnoToStatus(rc, "growing " + path_ + " to " + std::to_string(want) + " bytes");
+  }
+  return Map(want);
+}
+
+Status MappedShmFile::Populate() {
+  if (!data_) return Status::OK();
+  if (::madvise(data_, size_, MADV_POPULATE_WRITE) == 0) return Status::OK();
+  if (errno != EINVAL) return ErrnoToStatus(errno, "populating " + path_);
+  // Kernels before 5.14: touch one byte per page (rewriting its own value, so
+  // staged data is kept).
+  long page = ::sysconf(_SC_PAGESIZE);
+  volatile char* p = data_;
+  for (uint64_t off = 0; off < size_; off += static_cast<uint64_t>(page)) p[off] = p[off];
+  return Status::OK();
+}
+
+Status MappedShmFile::Close(bool unlink) {
+  Status s;
+  if (data_) {
+    if (::munmap(data_, size_) != 0) s = ErrnoToStatus(errno, "munmap " + path_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+  if (fd_ >= 0) {
+    // Unlink while still holding the lock, so no other process can open and
+    // lock the old inode in between.
+    if (unlink && ::unlink(path_.c_str()) != 0 && errno != ENOENT && s.ok()) {
+      s = ErrnoToStatus(errno, "delete " + path_);
+    }
+    ::close(fd_);
+    fd_ = -1;
+  }
+  return s;
+}
+
+}  // namespace cairn::internal

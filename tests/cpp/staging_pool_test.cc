@@ -1,0 +1,278 @@
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cairn/checksum.h"
+#include "cairn/staging.h"
+#include "cairn/storage.h"
+
+namespace cairn {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::vector<char> Pattern(size_t n, uint32_t seed) {
+  std::vector<char> v(n);
+  std::mt19937 rng(seed);
+  for (auto& c : v) c = static_cast<char>(rng());
+  return v;
+}
+
+class StagingPoolTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    static std::atomic<int> counter{0};
+    dir_ = ShmDirectory("cairn-staging-test-" + std::to_string(::getpid()) + "-" +
+                        std::to_string(counter++));
+  }
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  std::unique_ptr<StagingPool> OpenPool(uint32_t rank = 0, size_t slots = 2) {
+    StagingPoolOptions o;
+    o.root_dir = dir_;
+    o.rank = rank;
+    o.num_slots = slots;
+    auto p = StagingPool::Open(o);
+    EXPECT_TRUE(p.ok()) << p.status().ToString();
+    return p.ok() ? std::move(p).value() : nullptr;
+  }
+  std::string dir_;
+};
+
+TEST_F(StagingPoolTest, AcquireMapsASharedFileOfAtLeastTheSize) {
+  auto pool = OpenPool();
+  auto slot = pool->Acquire(5'000'000);
+  ASSERT_TRUE(slot.ok()) << slot.status().ToString();
+  EXPECT_GE(slot->capacity, 5'000'000u);
+  EXPECT_EQ(slot->capacity % (2 << 20), 0u);
+  EXPECT_EQ(slot->key, "slot" + std::to_string(slot->index) + "/data/r0.bin");
+  EXPECT_EQ(slot->path, dir_ + "/" + slot->key);
+  EXPECT_EQ(fs::file_size(slot->path), slot->capacity);
+  // MAP_SHARED: bytes stored through the mapping are the file's bytes.
+  std::memcpy(slot->data + 1000, "staged!", 7);
+  std::ifstream in(slot->path, std::ios::binary);
+  in.seekg(1000);
+  char buf[8] = {};
+  in.read(buf, 7);
+  EXPECT_STREQ(buf, "staged!");
+  EXPECT_TRUE(pool->in_use(slot->index));
+  EXPECT_EQ(pool->footprint(), slot->capacity);
+}
+
+TEST_F(StagingPoolTest, CopyInPlacesEverySpan) {
+  auto pool = OpenPool();
+  std::vector<std::vector<char>> srcs;
+  std::vector<CopySpan> spans;
+  uint64_t off = 0;
+  for (int i = 0; i < 40; ++i) {
+    srcs.push_back(Pattern(1 + i * 123457, i));
+    spans.push_back({srcs.back().data(), off, srcs.back().size()});
+    off += (srcs.back().size() + 4095) / 4096 * 4096;
+  }
+  auto slot = pool->Acquire(off);
+  ASSERT_TRUE(slot.ok());
+  ThreadPool threads(3);
+  ASSERT_TRUE(pool->CopyIn(slot->index, spans, &threads, /*piece_bytes=*/1 << 20).ok());
+  for (size_t i = 0; i < spans.size(); ++i) {
+    EXPECT_EQ(std::memcmp(slot->data + spans[i].dst_offset, srcs[i].data(), srcs[i].size()), 0)
+        << "span " << i;
+  }
+}
+
+TEST_F(StagingPoolTest, CopyInRejectsSpansOutsideTheSlotAndCopiesNothing) {
+  auto pool = OpenPool();
+  auto slot = pool->Acquire(1 << 20);
+  ASSERT_TRUE(slot.ok());
+  std::memset(slot->data, 0, slot->capacity);
+  std::vector<char> src(100, 'x');
+  std::vector<CopySpan> spans = {{src.data(), 0, 100}, {src.data(), slot->capacity - 50, 100}};
+  EXPECT_EQ(pool->CopyIn(slot->index, spans, nullptr).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(slot->data[0], 0);
+  spans = {{src.data(), UINT64_MAX - 10, 100}};  // overflow
+  EXPECT_EQ(pool->CopyIn(slot->index, spans, nullptr).code(), StatusCode::kOutOfRange);
+  spans = {{nullptr, 0, 100}};
+  EXPECT_EQ(pool->CopyIn(slot->index, spans, nullptr).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(pool->Release(slot->index).ok());
+  spans = {{src.data(), 0, 100}};
+  EXPECT_EQ(pool->CopyIn(slot->index, spans, nullptr).code(), StatusCode::kFailedPrecondition);
+}
+
+TEST_F(StagingPoolTest, RepeatedSavesReuseTheSameMemory) {
+  auto pool = OpenPool(0, 1);
+  char* first = nullptr;
+  uint64_t footprint = 0;
+  std::vector<char> src = Pattern(3 << 20, 7);
+  for (int save = 0; save < 5; ++save) {
+    auto slot = pool->Acquire(src.size());
+    ASSERT_TRUE(slot.ok());
+    if (save == 0) {
+      first = slot->data;
+      footprint = pool->footprint();
+    }
+    EXPECT_EQ(slot->data, first);
+    EXPECT_EQ(pool->footprint(), footprint);
+    CopySpan span{src.data(), 0, src.size()};
+    ASSERT_TRUE(pool->CopyIn(slot->index, {&span, 1}, nullptr).ok());
+    ASSERT_TRUE(pool->Release(slot->index).ok());
+  }
+}
+
+TEST_F(StagingPoolTest, SlotsInUseAreNotHandedOutAndTheOldestFreeGoesFirst) {
+  auto pool = OpenPool(0, 3);
+  auto a = pool->Acquire(1);
+  auto b = pool->Acquire(1);
+  auto c = pool->Acquire(1);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_NE(a->index, b->index);
+  EXPECT_NE(b->index, c->index);
+  EXPECT_EQ(pool->Acquire(1).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(pool->AcquireSlot(b->index, 1).status().code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(pool->Release(c->index).ok());
+  ASSERT_TRUE(pool->Release(a->index).ok());
+  auto d = pool->Acquire(1);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->index, c->index);  // released longest ago
+  EXPECT_EQ(pool->Release(b->index).code(), StatusCode::kOk);
+  EXPECT_EQ(pool->Release(b->index).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool->AcquireSlot(7, 1).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(StagingPoolTest, GrowingKeepsTheStagedBytes) {
+  auto pool = OpenPool(0, 1);
+  auto slot = pool->Acquire(1 << 20);
+  ASSERT_TRUE(slot.ok());
+  std::memcpy(slot->data, "keep me", 8);
+  ASSERT_TRUE(pool->Release(slot->index).ok());
+  slot = pool->Acquire(10 << 20);
+  ASSERT_TRUE(slot.ok());
+  EXPECT_GE(slot->capacity, 10u << 20);
+  EXPECT_STREQ(slot->data, "keep me");
+  EXPECT_EQ(fs::file_size(slot->path), slot->capacity);
+}
+
+TEST_F(StagingPoolTest, StagedBytesSurviveACrashOfTheProcess) {
+  std::vector<char> data = Pattern(3 << 20, 11);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    StagingPoolOptions o;
+    o.root_dir = dir_;
+    o.num_slots = 2;
+    auto pool = StagingPool::Open(o);
+    if (!pool.ok()) ::_exit(2);
+    auto slot = (*pool)->AcquireSlot(1, data.size());
+    if (!slot.ok()) ::_exit(3);
+    std::memcpy(slot->data, data.data(), data.size());
+    ::kill(::getpid(), SIGKILL);  // no Close, no destructors
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "child exited with " << WEXITSTATUS(status);
+  auto pool = OpenPool(0, 2);
+  auto slot = pool->AcquireSlot(1, 0);  // map what is there
+  ASSERT_TRUE(slot.ok()) << slot.status().ToString();
+  ASSERT_GE(slot->capacity, data.size());
+  EXPECT_EQ(std::memcmp(slot->data, data.data(), data.size()), 0);
+  ASSERT_TRUE(pool->Close().ok());
+  EXPECT_FALSE(fs::exists(dir_));  // nothing left in shared memory
+}
+
+TEST_F(StagingPoolTest, ASecondOwnerOfTheSameRankIsRefused) {
+  auto p1 = OpenPool(0, 1);
+  auto p2 = OpenPool(0, 1);
+  ASSERT_TRUE(p1->Acquire(1).ok());
+  EXPECT_EQ(p2->Acquire(1).status().code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(p1->Close().ok());
+  EXPECT_TRUE(p2->Acquire(1).ok());
+}
+
+TEST_F(StagingPoolTest, CloseOfEveryRankLeavesNothingBehind) {
+  auto r0 = OpenPool(0, 2);
+  auto r1 = OpenPool(1, 2);
+  ASSERT_TRUE(r0->Acquire(1 << 20).ok());
+  ASSERT_TRUE(r0->Acquire(1 << 20).ok());
+  ASSERT_TRUE(r1->Acquire(1 << 20).ok());
+  ASSERT_TRUE(r0->Close().ok());
+  EXPECT_TRUE(fs::exists(dir_ + "/slot0/data/r1.bin"));
+  EXPECT_FALSE(fs::exists(dir_ + "/slot0/data/r0.bin"));
+  EXPECT_EQ(r0->Acquire(1).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(r0->Close().ok());  // idempotent
+  ASSERT_TRUE(r1->Close().ok());
+  EXPECT_FALSE(fs::exists(dir_));
+}
+
+TEST_F(StagingPoolTest, KeepFilesOnCloseWhenAsked) {
+  StagingPoolOptions o;
+  o.root_dir = dir_;
+  o.num_slots = 1;
+  o.remove_on_close = false;
+  auto pool = StagingPool::Open(o);
+  ASSERT_TRUE(pool.ok());
+  auto slot = (*pool)->Acquire(100);
+  ASSERT_TRUE(slot.ok());
+  std::string path = slot->path;
+  ASSERT_TRUE((*pool)->Close().ok());
+  EXPECT_TRUE(fs::exists(path));
+}
+
+TEST_F(StagingPoolTest, BadOptionsAreRejected) {
+  StagingPoolOptions o;
+  o.root_dir = "relative/dir";
+  EXPECT_EQ(StagingPool::Open(o).status().code(), StatusCode::kInvalidArgument);
+  o.root_dir = dir_;
+  o.num_slots = 0;
+  EXPECT_EQ(StagingPool::Open(o).status().code(), StatusCode::kInvalidArgument);
+  o.num_slots = 1;
+  o.file_key = "../escape";
+  EXPECT_EQ(StagingPool::Open(o).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(ParallelCopyTest, MatchesASerialCopyWithAndWithoutAPool) {
+  std::vector<char> src = Pattern((5 << 20) + 333, 3);
+  ThreadPool threads(4);
+  for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &threads}) {
+    std::vector<char> dst(src.size() + 100, 0);
+    std::vector<CopySpan> spans = {{src.data(), 7, 1000},
+                                   {src.data() + 1000, 1007, src.size() - 1000}};
+    ASSERT_TRUE(ParallelCopy(dst.data(), dst.size(), spans, p, 64 << 10).ok());
+    EXPECT_EQ(std::memcmp(dst.data() + 7, src.data(), src.size()), 0);
+    EXPECT_EQ(dst[6], 0);
+  }
+  EXPECT_EQ(ParallelCopy(nullptr, 0, {}, nullptr, 0).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(ChecksumTest, IsXxh3WithSeedZero) {
+  // Reference values of XXH3_64bits (seed 0).
+  EXPECT_EQ(Checksum(nullptr, 0), 0x2D06800538D394C2ull);
+  EXPECT_NE(Checksum("a", 1), Checksum("b", 1));
+}
+
+TEST(ChecksumTest, BlockChecksumsCoverEachBlock) {
+  std::vector<char> data = Pattern((3 << 20) + 17, 5);
+  ThreadPool threads(3);
+  auto serial = BlockChecksums(data.data(), data.size(), 1 << 20, nullptr);
+  auto parallel = BlockChecksums(data.data(), data.size(), 1 << 20, &threads);
+  ASSERT_TRUE(serial.ok() && parallel.ok());
+  ASSERT_EQ(serial->size(), 4u);
+  EXPECT_EQ(*serial, *parallel);
+  for (size_t i = 0; i < 4; ++i) {
+    size_t off = i << 20, n = std::min<size_t>(1 << 20, data.size() - off);
+    EXPECT_EQ((*serial)[i], Checksum(data.data() + off, n));
+  }
+  EXPECT_TRUE(BlockChecksums(nullptr, 0, 1 << 20, nullptr)->empty());
+  EXPECT_EQ(BlockChecksums(data.data(), 1, 0, nullptr).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace cairn
