@@ -1,5 +1,7 @@
 // StagingPool and ParallelCopy (the slot life cycle is described in
 // include/cairn/staging.h).
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -12,38 +14,77 @@
 
 namespace cairn {
 
+namespace {
+
+struct Piece {
+  const char* src;
+  char* dst;
+  size_t n;
+};
+
+// Checks one span against a buffer of `size` bytes; counts its pieces.
+Status CheckSpan(size_t i, const void* ptr, uint64_t offset, uint64_t nbytes, uint64_t size,
+                 uint64_t piece_bytes, size_t* num_pieces) {
+  if (nbytes == 0) return Status::OK();
+  if (!ptr) return InvalidArgumentError("copy span " + std::to_string(i) + ": null pointer");
+  if (offset > size || size - offset < nbytes) {
+    return OutOfRangeError("copy span " + std::to_string(i) + ": " + std::to_string(nbytes) +
+                           " bytes at offset " + std::to_string(offset) +
+                           " do not fit a buffer of " + std::to_string(size) + " bytes");
+  }
+  *num_pieces += static_cast<size_t>((nbytes + piece_bytes - 1) / piece_bytes);
+  return Status::OK();
+}
+
+void AddPieces(const char* src, char* dst, uint64_t nbytes, uint64_t piece_bytes,
+               std::vector<Piece>* out) {
+  for (uint64_t off = 0; off < nbytes; off += piece_bytes) {
+    out->push_back(
+        Piece{src + off, dst + off, static_cast<size_t>(std::min(piece_bytes, nbytes - off))});
+  }
+}
+
+void CopyPieces(const std::vector<Piece>& pieces, ThreadPool* pool) {
+  internal::ParallelFor(pieces.size(), pool, 0,
+                        [&](size_t i) { std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].n); });
+}
+
+}  // namespace
+
 Status ParallelCopy(void* dst, uint64_t dst_size, std::span<const CopySpan> spans, ThreadPool* pool,
                     uint64_t piece_bytes) {
   if (piece_bytes == 0) return InvalidArgumentError("copy piece size must be positive");
-  struct Piece {
-    const char* src;
-    char* dst;
-    size_t n;
-  };
   // Validate everything first: a bad span copies nothing.
   size_t num_pieces = 0;
   for (size_t i = 0; i < spans.size(); ++i) {
-    const CopySpan& s = spans[i];
-    if (s.nbytes == 0) continue;
-    if (!s.src) return InvalidArgumentError("copy span " + std::to_string(i) + ": null source");
-    if (s.dst_offset > dst_size || dst_size - s.dst_offset < s.nbytes) {
-      return OutOfRangeError("copy span " + std::to_string(i) + ": " + std::to_string(s.nbytes) +
-                             " bytes at offset " + std::to_string(s.dst_offset) +
-                             " do not fit a buffer of " + std::to_string(dst_size) + " bytes");
-    }
-    num_pieces += static_cast<size_t>((s.nbytes + piece_bytes - 1) / piece_bytes);
+    CAIRN_RETURN_IF_ERROR(CheckSpan(i, spans[i].src, spans[i].dst_offset, spans[i].nbytes, dst_size,
+                                    piece_bytes, &num_pieces));
   }
   std::vector<Piece> pieces;
   pieces.reserve(num_pieces);
-  char* base = static_cast<char*>(dst);
   for (const CopySpan& s : spans) {
-    for (uint64_t off = 0; off < s.nbytes; off += piece_bytes) {
-      pieces.push_back(Piece{static_cast<const char*>(s.src) + off, base + s.dst_offset + off,
-                             static_cast<size_t>(std::min(piece_bytes, s.nbytes - off))});
-    }
+    AddPieces(static_cast<const char*>(s.src), static_cast<char*>(dst) + s.dst_offset, s.nbytes,
+              piece_bytes, &pieces);
   }
-  internal::ParallelFor(pieces.size(), pool, 0,
-                        [&](size_t i) { std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].n); });
+  CopyPieces(pieces, pool);
+  return Status::OK();
+}
+
+Status ParallelCopyOut(const void* src, uint64_t src_size, std::span<const CopyOutSpan> spans,
+                       ThreadPool* pool, uint64_t piece_bytes) {
+  if (piece_bytes == 0) return InvalidArgumentError("copy piece size must be positive");
+  size_t num_pieces = 0;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    CAIRN_RETURN_IF_ERROR(CheckSpan(i, spans[i].dst, spans[i].src_offset, spans[i].nbytes, src_size,
+                                    piece_bytes, &num_pieces));
+  }
+  std::vector<Piece> pieces;
+  pieces.reserve(num_pieces);
+  for (const CopyOutSpan& s : spans) {
+    AddPieces(static_cast<const char*>(src) + s.src_offset, static_cast<char*>(s.dst), s.nbytes,
+              piece_bytes, &pieces);
+  }
+  CopyPieces(pieces, pool);
   return Status::OK();
 }
 
@@ -158,25 +199,46 @@ Status StagingPool::Release(size_t index) {
   return Status::OK();
 }
 
+Status StagingPool::AcquiredMemory(size_t index, std::string_view what, char** data,
+                                   uint64_t* size) const {
+  std::lock_guard<std::mutex> l(mu_);
+  if (index >= slots_.size()) {
+    return InvalidArgumentError("staging slot " + std::to_string(index) + " out of range");
+  }
+  if (!slots_[index]->in_use) {
+    return FailedPreconditionError(std::string(what) + " staging slot " + std::to_string(index) +
+                                   ", which is not acquired");
+  }
+  *data = slots_[index]->file->data();
+  *size = slots_[index]->file->size();
+  return Status::OK();
+}
+
 Status StagingPool::CopyIn(size_t index, std::span<const CopySpan> spans, ThreadPool* pool,
                            uint64_t piece_bytes) {
   char* data;
   uint64_t cap;
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    if (index >= slots_.size()) {
-      return InvalidArgumentError("staging slot " + std::to_string(index) + " out of range");
-    }
-    if (!slots_[index]->in_use) {
-      return FailedPreconditionError("copy into staging slot " + std::to_string(index) +
-                                     ", which is not acquired");
-    }
-    data = slots_[index]->file->data();
-    cap = slots_[index]->file->size();
-  }
+  CAIRN_RETURN_IF_ERROR(AcquiredMemory(index, "copy into", &data, &cap));
   // The slot is the caller's until Release, so the copy runs unlocked.
   return ParallelCopy(data, cap, spans, pool, piece_bytes)
       .WithContext("staging into slot " + std::to_string(index));
+}
+
+Status StagingPool::CopyOut(size_t index, std::span<const CopyOutSpan> spans, ThreadPool* pool,
+                            uint64_t piece_bytes) {
+  char* data;
+  uint64_t cap;
+  CAIRN_RETURN_IF_ERROR(AcquiredMemory(index, "copy out of", &data, &cap));
+  return ParallelCopyOut(data, cap, spans, pool, piece_bytes)
+      .WithContext("copying out of staging slot " + std::to_string(index));
+}
+
+Result<StagingSlot> StagingPool::Peek(size_t index) const {
+  std::lock_guard<std::mutex> l(mu_);
+  if (index >= slots_.size()) {
+    return InvalidArgumentError("staging slot " + std::to_string(index) + " out of range");
+  }
+  return SlotView(index);
 }
 
 bool StagingPool::in_use(size_t index) const {
@@ -191,40 +253,60 @@ uint64_t StagingPool::footprint() const {
   return total;
 }
 
-Status StagingPool::Close() {
+Status StagingPool::RemoveFiles() {
   std::lock_guard<std::mutex> l(mu_);
-  if (closed_) return Status::OK();
-  closed_ = true;
+  return RemoveFilesLocked();
+}
+
+Status StagingPool::RemoveFilesLocked() {
   Status first;
-  auto keep = [&](Status s) {
-    if (first.ok() && !s.ok()) first = std::move(s);
-  };
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = *slots_[i];
     std::string path = opts_.root_dir + "/" + SlotDirName(i) + "/" + opts_.file_key;
-    if (s.file) {
-      keep(s.file->Close(opts_.remove_on_close));
-      s.file.reset();
-    } else if (opts_.remove_on_close) {
-      // A file left by an earlier (crashed) process of this rank that this
-      // one never used: it goes too, or shared memory would leak.
-      if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
-        keep(ErrnoToStatus(errno, "delete " + path));
+    if (!s.file) {
+      // A file this object never opened: a leftover of a crashed earlier
+      // process of this rank (shared memory would leak), or one a live
+      // process holds (its flock tells; then it is not ours to delete).
+      int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+      if (fd < 0) continue;
+      bool ours = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+      if (ours && ::unlink(path.c_str()) != 0 && errno != ENOENT && first.ok()) {
+        first = ErrnoToStatus(errno, "delete " + path);
       }
+      ::close(fd);
+      if (!ours) continue;
+    } else if (::unlink(path.c_str()) != 0 && errno != ENOENT && first.ok()) {
+      first = ErrnoToStatus(errno, "delete " + path);
     }
-    s.in_use = false;
-    if (!opts_.remove_on_close) continue;
     // Remove the directories left empty, innermost first. Another rank's
-    // files keep them alive (ENOTEMPTY): that rank's Close removes them; the
-    // last rank to finish its unlinks always finds them empty.
+    // files keep them alive (ENOTEMPTY): that rank removes them; the last
+    // rank to finish its unlinks always finds them empty.
     std::string dir = path.substr(0, path.rfind('/'));
     while (dir.size() > opts_.root_dir.size()) {
       if (::rmdir(dir.c_str()) != 0) break;
       dir = dir.substr(0, dir.rfind('/'));
     }
   }
-  if (opts_.remove_on_close) ::rmdir(opts_.root_dir.c_str());
-  return first.WithContext("closing staging pool " + opts_.root_dir);
+  ::rmdir(opts_.root_dir.c_str());
+  return first.WithContext("removing staging files of rank " + std::to_string(opts_.rank) + " in " +
+                           opts_.root_dir);
+}
+
+Status StagingPool::Close() {
+  std::lock_guard<std::mutex> l(mu_);
+  if (closed_) return Status::OK();
+  closed_ = true;
+  // Unlink first, while this process still holds each file's lock.
+  Status first = opts_.remove_on_close ? RemoveFilesLocked() : Status::OK();
+  for (auto& s : slots_) {
+    if (s->file) {
+      Status st = s->file->Close(/*unlink=*/false);
+      if (first.ok() && !st.ok()) first = st.WithContext("closing staging pool " + opts_.root_dir);
+      s->file.reset();
+    }
+    s->in_use = false;
+  }
+  return first;
 }
 
 }  // namespace cairn
