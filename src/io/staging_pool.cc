@@ -1,5 +1,6 @@
 // StagingPool and ParallelCopy (the slot life cycle is described in
 // include/cairn/staging.h).
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <unistd.h>
@@ -258,33 +259,61 @@ Status StagingPool::RemoveFiles() {
   return RemoveFilesLocked();
 }
 
+namespace {
+
+// Deletes `path` unless a live process holds its flock (then it is that
+// process's slot, not a leftover); false when it was left alone.
+bool RemoveUnlessLocked(const std::string& path, Status* first) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return true;  // nothing there
+  bool ours = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+  if (ours && ::unlink(path.c_str()) != 0 && errno != ENOENT && first->ok()) {
+    *first = ErrnoToStatus(errno, "delete " + path);
+  }
+  ::close(fd);
+  return ours;
+}
+
+// Removes the directories from dirname(path) up to (excluding) `root` that
+// are empty, innermost first. Another rank's files keep them alive
+// (ENOTEMPTY): that rank removes them, and the last rank to finish its
+// unlinks always finds them empty.
+void RemoveEmptyParents(const std::string& path, const std::string& root) {
+  std::string dir = path.substr(0, path.rfind('/'));
+  while (dir.size() > root.size()) {
+    if (::rmdir(dir.c_str()) != 0) break;
+    dir = dir.substr(0, dir.rfind('/'));
+  }
+}
+
+}  // namespace
+
 Status StagingPool::RemoveFilesLocked() {
   Status first;
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = *slots_[i];
     std::string path = opts_.root_dir + "/" + SlotDirName(i) + "/" + opts_.file_key;
-    if (!s.file) {
-      // A file this object never opened: a leftover of a crashed earlier
-      // process of this rank (shared memory would leak), or one a live
-      // process holds (its flock tells; then it is not ours to delete).
-      int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-      if (fd < 0) continue;
-      bool ours = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
-      if (ours && ::unlink(path.c_str()) != 0 && errno != ENOENT && first.ok()) {
-        first = ErrnoToStatus(errno, "delete " + path);
-      }
-      ::close(fd);
-      if (!ours) continue;
-    } else if (::unlink(path.c_str()) != 0 && errno != ENOENT && first.ok()) {
-      first = ErrnoToStatus(errno, "delete " + path);
+    if (s.file) {
+      Status st = s.file->Unlink();
+      if (first.ok() && !st.ok()) first = st;
+    } else if (!RemoveUnlessLocked(path, &first)) {
+      continue;  // a live process's file: its directories stay too
     }
-    // Remove the directories left empty, innermost first. Another rank's
-    // files keep them alive (ENOTEMPTY): that rank removes them; the last
-    // rank to finish its unlinks always finds them empty.
-    std::string dir = path.substr(0, path.rfind('/'));
-    while (dir.size() > opts_.root_dir.size()) {
-      if (::rmdir(dir.c_str()) != 0) break;
-      dir = dir.substr(0, dir.rfind('/'));
+    RemoveEmptyParents(path, opts_.root_dir);
+  }
+  // Slots beyond num_slots, left by an earlier run configured with more.
+  if (DIR* d = ::opendir(opts_.root_dir.c_str())) {
+    std::vector<std::string> extra;
+    while (struct dirent* e = ::readdir(d)) {
+      std::string name = e->d_name;
+      if (name.size() <= 4 || name.compare(0, 4, "slot") != 0 || name.size() > 10) continue;
+      if (name.find_first_not_of("0123456789", 4) != std::string::npos) continue;
+      if (std::stoul(name.substr(4)) >= slots_.size()) extra.push_back(name);
+    }
+    ::closedir(d);
+    for (const std::string& name : extra) {
+      std::string path = opts_.root_dir + "/" + name + "/" + opts_.file_key;
+      if (RemoveUnlessLocked(path, &first)) RemoveEmptyParents(path, opts_.root_dir);
     }
   }
   ::rmdir(opts_.root_dir.c_str());

@@ -251,6 +251,35 @@ TEST_F(StagingPoolTest, RemoveFilesSparesAFileALiveProcessHolds) {
   EXPECT_FALSE(fs::exists(dir_));
 }
 
+TEST_F(StagingPoolTest, CloseAfterRemoveFilesSparesANewerFileAtTheSamePath) {
+  auto old_pool = OpenPool(0, 1);
+  auto slot = old_pool->Acquire(1 << 20);
+  ASSERT_TRUE(slot.ok());
+  ASSERT_TRUE(old_pool->RemoveFiles().ok());  // mapping kept (live buffers)
+  auto new_pool = OpenPool(0, 1);
+  ASSERT_TRUE(new_pool->Acquire(1 << 20).ok());
+  ASSERT_TRUE(old_pool->Close().ok());
+  EXPECT_TRUE(fs::exists(slot->path));  // the new pool's file
+  ASSERT_TRUE(new_pool->Close().ok());
+  EXPECT_FALSE(fs::exists(dir_));
+}
+
+TEST_F(StagingPoolTest, CloseRemovesLeftoversOfALargerEarlierPool) {
+  auto big = OpenPool(0, 4);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(big->Acquire(4096).ok());
+  big.reset();
+  // Files as a crashed 4-slot run of rank 0 would have left them.
+  for (int i = 0; i < 4; ++i) {
+    std::string d = dir_ + "/slot" + std::to_string(i) + "/data";
+    fs::create_directories(d);
+    std::ofstream(d + "/r0.bin") << "left";
+  }
+  ASSERT_TRUE(fs::exists(dir_ + "/slot3/data/r0.bin"));
+  auto small = OpenPool(0, 2);
+  ASSERT_TRUE(small->Close().ok());
+  EXPECT_FALSE(fs::exists(dir_));
+}
+
 TEST_F(StagingPoolTest, KeepFilesOnCloseWhenAsked) {
   StagingPoolOptions o;
   o.root_dir = dir_;

@@ -482,6 +482,11 @@ TEST_P(LocalTreeConformanceTest, SymlinksAreNeverFollowedOutOfTheRoot) {
   EXPECT_FALSE(store_->Rename("mine", "dlink/stolen").ok());
   auto e = store_->Exists("dlink/secret");
   EXPECT_TRUE(!e.ok() || !*e);
+  for (const char* link : {"dlink", "flink"}) {
+    e = store_->Exists(link);  // links are not entries cairn sees
+    ASSERT_TRUE(e.ok());
+    EXPECT_FALSE(*e) << link;
+  }
   // Links are not listed.
   auto l = store_->List("");
   ASSERT_TRUE(l.ok());
