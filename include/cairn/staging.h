@@ -45,6 +45,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cairn/status.h"
@@ -69,6 +70,19 @@ inline constexpr uint64_t kDefaultCopyPieceBytes = uint64_t{16} << 20;
 // kInvalidArgument for a null src with nbytes > 0. Blocks until done.
 Status ParallelCopy(void* dst, uint64_t dst_size, std::span<const CopySpan> spans, ThreadPool* pool,
                     uint64_t piece_bytes = kDefaultCopyPieceBytes);
+
+// One contiguous copy of `nbytes` from byte `src_offset` of the source to
+// `dst` (restoring from a staged slot into tensors).
+struct CopyOutSpan {
+  void* dst = nullptr;
+  uint64_t src_offset = 0;
+  uint64_t nbytes = 0;
+};
+
+// The reverse of ParallelCopy: copies out of [src, src + src_size), with the
+// same checks and threading.
+Status ParallelCopyOut(const void* src, uint64_t src_size, std::span<const CopyOutSpan> spans,
+                       ThreadPool* pool, uint64_t piece_bytes = kDefaultCopyPieceBytes);
 
 struct StagingPoolOptions {
   // The pool's directory, absolute; created if missing. Normally on tmpfs
@@ -119,6 +133,15 @@ class StagingPool {
   Status CopyIn(size_t index, std::span<const CopySpan> spans, ThreadPool* pool,
                 uint64_t piece_bytes = kDefaultCopyPieceBytes);
 
+  // ParallelCopyOut from acquired slot `index` (e.g. a restore from memory).
+  Status CopyOut(size_t index, std::span<const CopyOutSpan> spans, ThreadPool* pool,
+                 uint64_t piece_bytes = kDefaultCopyPieceBytes);
+
+  // The current view of slot `index`, acquired or not (data is null and
+  // capacity 0 while this process has not mapped it). For bookkeeping; the
+  // bytes belong to whoever acquired the slot.
+  Result<StagingSlot> Peek(size_t index) const;
+
   size_t num_slots() const { return slots_.size(); }
   bool in_use(size_t index) const;
   // Bytes of shared memory held by this rank's slot files.
@@ -126,6 +149,12 @@ class StagingPool {
   const StagingPoolOptions& options() const { return opts_; }
   // "slot<k>", the slot's directory relative to root_dir.
   static std::string SlotDirName(size_t index);
+
+  // Deletes this rank's slot files (and the directories left empty) now,
+  // keeping the mappings valid until Close(): the shared memory is freed at
+  // the last unmap. Leftover files of a dead earlier process of this rank
+  // are deleted too; a file another live process holds is left alone.
+  Status RemoveFiles();
 
   // Unmaps every slot and, with remove_on_close, deletes this rank's files
   // and the directories left empty. Idempotent.
@@ -136,6 +165,9 @@ class StagingPool {
   explicit StagingPool(StagingPoolOptions opts);
   Result<StagingSlot> AcquireLocked(size_t index, uint64_t min_bytes);
   Result<StagingSlot> SlotView(size_t index) const;
+  Status RemoveFilesLocked();
+  // The mapping of acquired slot `index`, or an error naming `what`.
+  Status AcquiredMemory(size_t index, std::string_view what, char** data, uint64_t* size) const;
 
   StagingPoolOptions opts_;
   mutable std::mutex mu_;

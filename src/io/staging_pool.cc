@@ -1,5 +1,8 @@
 // StagingPool and ParallelCopy (the slot life cycle is described in
 // include/cairn/staging.h).
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -12,38 +15,77 @@
 
 namespace cairn {
 
+namespace {
+
+struct Piece {
+  const char* src;
+  char* dst;
+  size_t n;
+};
+
+// Checks one span against a buffer of `size` bytes; counts its pieces.
+Status CheckSpan(size_t i, const void* ptr, uint64_t offset, uint64_t nbytes, uint64_t size,
+                 uint64_t piece_bytes, size_t* num_pieces) {
+  if (nbytes == 0) return Status::OK();
+  if (!ptr) return InvalidArgumentError("copy span " + std::to_string(i) + ": null pointer");
+  if (offset > size || size - offset < nbytes) {
+    return OutOfRangeError("copy span " + std::to_string(i) + ": " + std::to_string(nbytes) +
+                           " bytes at offset " + std::to_string(offset) +
+                           " do not fit a buffer of " + std::to_string(size) + " bytes");
+  }
+  *num_pieces += static_cast<size_t>((nbytes + piece_bytes - 1) / piece_bytes);
+  return Status::OK();
+}
+
+void AddPieces(const char* src, char* dst, uint64_t nbytes, uint64_t piece_bytes,
+               std::vector<Piece>* out) {
+  for (uint64_t off = 0; off < nbytes; off += piece_bytes) {
+    out->push_back(
+        Piece{src + off, dst + off, static_cast<size_t>(std::min(piece_bytes, nbytes - off))});
+  }
+}
+
+void CopyPieces(const std::vector<Piece>& pieces, ThreadPool* pool) {
+  internal::ParallelFor(pieces.size(), pool, 0,
+                        [&](size_t i) { std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].n); });
+}
+
+}  // namespace
+
 Status ParallelCopy(void* dst, uint64_t dst_size, std::span<const CopySpan> spans, ThreadPool* pool,
                     uint64_t piece_bytes) {
   if (piece_bytes == 0) return InvalidArgumentError("copy piece size must be positive");
-  struct Piece {
-    const char* src;
-    char* dst;
-    size_t n;
-  };
   // Validate everything first: a bad span copies nothing.
   size_t num_pieces = 0;
   for (size_t i = 0; i < spans.size(); ++i) {
-    const CopySpan& s = spans[i];
-    if (s.nbytes == 0) continue;
-    if (!s.src) return InvalidArgumentError("copy span " + std::to_string(i) + ": null source");
-    if (s.dst_offset > dst_size || dst_size - s.dst_offset < s.nbytes) {
-      return OutOfRangeError("copy span " + std::to_string(i) + ": " + std::to_string(s.nbytes) +
-                             " bytes at offset " + std::to_string(s.dst_offset) +
-                             " do not fit a buffer of " + std::to_string(dst_size) + " bytes");
-    }
-    num_pieces += static_cast<size_t>((s.nbytes + piece_bytes - 1) / piece_bytes);
+    CAIRN_RETURN_IF_ERROR(CheckSpan(i, spans[i].src, spans[i].dst_offset, spans[i].nbytes, dst_size,
+                                    piece_bytes, &num_pieces));
   }
   std::vector<Piece> pieces;
   pieces.reserve(num_pieces);
-  char* base = static_cast<char*>(dst);
   for (const CopySpan& s : spans) {
-    for (uint64_t off = 0; off < s.nbytes; off += piece_bytes) {
-      pieces.push_back(Piece{static_cast<const char*>(s.src) + off, base + s.dst_offset + off,
-                             static_cast<size_t>(std::min(piece_bytes, s.nbytes - off))});
-    }
+    AddPieces(static_cast<const char*>(s.src), static_cast<char*>(dst) + s.dst_offset, s.nbytes,
+              piece_bytes, &pieces);
   }
-  internal::ParallelFor(pieces.size(), pool, 0,
-                        [&](size_t i) { std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].n); });
+  CopyPieces(pieces, pool);
+  return Status::OK();
+}
+
+Status ParallelCopyOut(const void* src, uint64_t src_size, std::span<const CopyOutSpan> spans,
+                       ThreadPool* pool, uint64_t piece_bytes) {
+  if (piece_bytes == 0) return InvalidArgumentError("copy piece size must be positive");
+  size_t num_pieces = 0;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    CAIRN_RETURN_IF_ERROR(CheckSpan(i, spans[i].dst, spans[i].src_offset, spans[i].nbytes, src_size,
+                                    piece_bytes, &num_pieces));
+  }
+  std::vector<Piece> pieces;
+  pieces.reserve(num_pieces);
+  for (const CopyOutSpan& s : spans) {
+    AddPieces(static_cast<const char*>(src) + s.src_offset, static_cast<char*>(s.dst), s.nbytes,
+              piece_bytes, &pieces);
+  }
+  CopyPieces(pieces, pool);
   return Status::OK();
 }
 
@@ -158,25 +200,46 @@ Status StagingPool::Release(size_t index) {
   return Status::OK();
 }
 
+Status StagingPool::AcquiredMemory(size_t index, std::string_view what, char** data,
+                                   uint64_t* size) const {
+  std::lock_guard<std::mutex> l(mu_);
+  if (index >= slots_.size()) {
+    return InvalidArgumentError("staging slot " + std::to_string(index) + " out of range");
+  }
+  if (!slots_[index]->in_use) {
+    return FailedPreconditionError(std::string(what) + " staging slot " + std::to_string(index) +
+                                   ", which is not acquired");
+  }
+  *data = slots_[index]->file->data();
+  *size = slots_[index]->file->size();
+  return Status::OK();
+}
+
 Status StagingPool::CopyIn(size_t index, std::span<const CopySpan> spans, ThreadPool* pool,
                            uint64_t piece_bytes) {
   char* data;
   uint64_t cap;
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    if (index >= slots_.size()) {
-      return InvalidArgumentError("staging slot " + std::to_string(index) + " out of range");
-    }
-    if (!slots_[index]->in_use) {
-      return FailedPreconditionError("copy into staging slot " + std::to_string(index) +
-                                     ", which is not acquired");
-    }
-    data = slots_[index]->file->data();
-    cap = slots_[index]->file->size();
-  }
+  CAIRN_RETURN_IF_ERROR(AcquiredMemory(index, "copy into", &data, &cap));
   // The slot is the caller's until Release, so the copy runs unlocked.
   return ParallelCopy(data, cap, spans, pool, piece_bytes)
       .WithContext("staging into slot " + std::to_string(index));
+}
+
+Status StagingPool::CopyOut(size_t index, std::span<const CopyOutSpan> spans, ThreadPool* pool,
+                            uint64_t piece_bytes) {
+  char* data;
+  uint64_t cap;
+  CAIRN_RETURN_IF_ERROR(AcquiredMemory(index, "copy out of", &data, &cap));
+  return ParallelCopyOut(data, cap, spans, pool, piece_bytes)
+      .WithContext("copying out of staging slot " + std::to_string(index));
+}
+
+Result<StagingSlot> StagingPool::Peek(size_t index) const {
+  std::lock_guard<std::mutex> l(mu_);
+  if (index >= slots_.size()) {
+    return InvalidArgumentError("staging slot " + std::to_string(index) + " out of range");
+  }
+  return SlotView(index);
 }
 
 bool StagingPool::in_use(size_t index) const {
@@ -191,40 +254,88 @@ uint64_t StagingPool::footprint() const {
   return total;
 }
 
-Status StagingPool::Close() {
+Status StagingPool::RemoveFiles() {
   std::lock_guard<std::mutex> l(mu_);
-  if (closed_) return Status::OK();
-  closed_ = true;
+  return RemoveFilesLocked();
+}
+
+namespace {
+
+// Deletes `path` unless a live process holds its flock (then it is that
+// process's slot, not a leftover); false when it was left alone.
+bool RemoveUnlessLocked(const std::string& path, Status* first) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return true;  // nothing there
+  bool ours = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+  if (ours && ::unlink(path.c_str()) != 0 && errno != ENOENT && first->ok()) {
+    *first = ErrnoToStatus(errno, "delete " + path);
+  }
+  ::close(fd);
+  return ours;
+}
+
+// Removes the directories from dirname(path) up to (excluding) `root` that
+// are empty, innermost first. Another rank's files keep them alive
+// (ENOTEMPTY): that rank removes them, and the last rank to finish its
+// unlinks always finds them empty.
+void RemoveEmptyParents(const std::string& path, const std::string& root) {
+  std::string dir = path.substr(0, path.rfind('/'));
+  while (dir.size() > root.size()) {
+    if (::rmdir(dir.c_str()) != 0) break;
+    dir = dir.substr(0, dir.rfind('/'));
+  }
+}
+
+}  // namespace
+
+Status StagingPool::RemoveFilesLocked() {
   Status first;
-  auto keep = [&](Status s) {
-    if (first.ok() && !s.ok()) first = std::move(s);
-  };
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& s = *slots_[i];
     std::string path = opts_.root_dir + "/" + SlotDirName(i) + "/" + opts_.file_key;
     if (s.file) {
-      keep(s.file->Close(opts_.remove_on_close));
-      s.file.reset();
-    } else if (opts_.remove_on_close) {
-      // A file left by an earlier (crashed) process of this rank that this
-      // one never used: it goes too, or shared memory would leak.
-      if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
-        keep(ErrnoToStatus(errno, "delete " + path));
-      }
+      Status st = s.file->Unlink();
+      if (first.ok() && !st.ok()) first = st;
+    } else if (!RemoveUnlessLocked(path, &first)) {
+      continue;  // a live process's file: its directories stay too
     }
-    s.in_use = false;
-    if (!opts_.remove_on_close) continue;
-    // Remove the directories left empty, innermost first. Another rank's
-    // files keep them alive (ENOTEMPTY): that rank's Close removes them; the
-    // last rank to finish its unlinks always finds them empty.
-    std::string dir = path.substr(0, path.rfind('/'));
-    while (dir.size() > opts_.root_dir.size()) {
-      if (::rmdir(dir.c_str()) != 0) break;
-      dir = dir.substr(0, dir.rfind('/'));
+    RemoveEmptyParents(path, opts_.root_dir);
+  }
+  // Slots beyond num_slots, left by an earlier run configured with more.
+  if (DIR* d = ::opendir(opts_.root_dir.c_str())) {
+    std::vector<std::string> extra;
+    while (struct dirent* e = ::readdir(d)) {
+      std::string name = e->d_name;
+      if (name.size() <= 4 || name.compare(0, 4, "slot") != 0 || name.size() > 10) continue;
+      if (name.find_first_not_of("0123456789", 4) != std::string::npos) continue;
+      if (std::stoul(name.substr(4)) >= slots_.size()) extra.push_back(name);
+    }
+    ::closedir(d);
+    for (const std::string& name : extra) {
+      std::string path = opts_.root_dir + "/" + name + "/" + opts_.file_key;
+      if (RemoveUnlessLocked(path, &first)) RemoveEmptyParents(path, opts_.root_dir);
     }
   }
-  if (opts_.remove_on_close) ::rmdir(opts_.root_dir.c_str());
-  return first.WithContext("closing staging pool " + opts_.root_dir);
+  ::rmdir(opts_.root_dir.c_str());
+  return first.WithContext("removing staging files of rank " + std::to_string(opts_.rank) + " in " +
+                           opts_.root_dir);
+}
+
+Status StagingPool::Close() {
+  std::lock_guard<std::mutex> l(mu_);
+  if (closed_) return Status::OK();
+  closed_ = true;
+  // Unlink first, while this process still holds each file's lock.
+  Status first = opts_.remove_on_close ? RemoveFilesLocked() : Status::OK();
+  for (auto& s : slots_) {
+    if (s->file) {
+      Status st = s->file->Close(/*unlink=*/false);
+      if (first.ok() && !st.ok()) first = st.WithContext("closing staging pool " + opts_.root_dir);
+      s->file.reset();
+    }
+    s->in_use = false;
+  }
+  return first;
 }
 
 }  // namespace cairn

@@ -1,7 +1,313 @@
+// Bindings for the staging pool and checksums.
+//
+// Memory safety of slot buffers. pool.buffer(i) hands Python a numpy array
+// over slot i's shared mapping (torch.frombuffer can wrap it without a copy).
+// Each such array keeps the Python pool object alive and is counted per
+// slot; while any is alive:
+//   * acquiring slot i with more bytes than it has (which would move the
+//     mapping) raises instead of leaving the array dangling;
+//   * close() deletes the shared-memory files at once, but the unmapping
+//     waits until the last array is gone.
+// Every call that copies or hashes releases the GIL.
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cairn/checksum.h"
+#include "cairn/staging.h"
+#include "cairn/thread_pool.h"
 #include "common.h"
 
-namespace cairn::python {
+namespace nb = nanobind;
 
-void RegisterStaging(nanobind::module_& m) {}
+namespace cairn::python {
+namespace {
+
+using SpanTuple = std::tuple<uint64_t, uint64_t, uint64_t>;
+
+struct PyStagingPool {
+  std::unique_ptr<StagingPool> pool;
+  std::unique_ptr<ThreadPool> threads;  // helpers; the calling thread works too
+  std::vector<size_t> live_views;       // numpy arrays alive, per slot
+  bool closed = false;
+
+  size_t total_views() const {
+    size_t n = 0;
+    for (size_t v : live_views) n += v;
+    return n;
+  }
+  StagingPool& Checked() {
+    if (closed || !pool) RaiseStatus(FailedPreconditionError("staging pool is closed"));
+    return *pool;
+  }
+  ThreadPool* helpers() { return threads ? threads.get() : nullptr; }
+  // The final unmap, once closed and no array is left.
+  void Finish() {
+    if (!pool) return;
+    Status s = pool->Close();
+    pool.reset();
+    threads.reset();
+    s.IgnoreError();  // files were already removed by close(); nothing to report to
+  }
+};
+
+struct ViewToken {
+  PyObject* pool_obj;
+  size_t index;
+};
+
+nb::dict SlotDict(const StagingSlot& s) {
+  nb::dict d;
+  d["index"] = s.index;
+  d["address"] = reinterpret_cast<uintptr_t>(s.data);
+  d["capacity"] = s.capacity;
+  d["path"] = s.path;
+  d["key"] = s.key;
+  return d;
+}
+
+// Growing a slot moves its mapping: refuse while arrays over it are alive.
+void CheckNoGrowthUnderViews(PyStagingPool& self, size_t index, uint64_t nbytes) {
+  if (index >= self.live_views.size() || self.live_views[index] == 0) return;
+  StagingSlot s = ValueOrThrow(self.pool->Peek(index));
+  if (nbytes > s.capacity) {
+    RaiseStatus(FailedPreconditionError("staging slot " + std::to_string(index) +
+                                        " would grow from " + std::to_string(s.capacity) + " to " +
+                                        std::to_string(nbytes) +
+                                        " bytes, moving its memory, "
+                                        "but " +
+                                        std::to_string(self.live_views[index]) +
+                                        " buffer(s) over it are still alive; drop them first"));
+  }
+}
+
+StagingSlot AcquiredView(PyStagingPool& self, size_t index) {
+  StagingPool& p = self.Checked();
+  StagingSlot s = ValueOrThrow(p.Peek(index));
+  if (!p.in_use(index)) {
+    RaiseStatus(
+        FailedPreconditionError("staging slot " + std::to_string(index) + " is not acquired"));
+  }
+  return s;
+}
+
+}  // namespace
+
+void RegisterStaging(nb::module_& m) {
+  m.def(
+      "checksum",
+      [](nb::bytes data) {
+        nb::gil_scoped_release r;
+        return Checksum(data.c_str(), data.size());
+      },
+      nb::arg("data"), "XXH3-64 (seed 0) of `data`: the checksum of checkpoint blocks.");
+  m.def(
+      "checksum_address",
+      [](uintptr_t address, uint64_t nbytes) {
+        nb::gil_scoped_release r;
+        return Checksum(reinterpret_cast<const void*>(address), nbytes);
+      },
+      nb::arg("address"), nb::arg("nbytes"), "XXH3-64 of `nbytes` at a raw address.");
+  m.def(
+      "block_checksums_address",
+      [](uintptr_t address, uint64_t nbytes, uint64_t block_size) {
+        Result<std::vector<uint64_t>> r = [&] {
+          nb::gil_scoped_release g;
+          return BlockChecksums(reinterpret_cast<const void*>(address), nbytes, block_size,
+                                nullptr);
+        }();
+        return ValueOrThrow(std::move(r));
+      },
+      nb::arg("address"), nb::arg("nbytes"), nb::arg("block_size") = kChecksumBlockSize,
+      "XXH3-64 of each `block_size` block of `nbytes` at a raw address.");
+  m.attr("CHECKSUM_BLOCK_SIZE") = kChecksumBlockSize;
+
+  nb::class_<PyStagingPool>(
+      m, "StagingPool",
+      "Reusable staging buffers in node shared memory (see include/cairn/staging.h). "
+      "StagingPool(root_dir, rank=0, num_slots=2, threads=2, populate=True, "
+      "remove_on_close=True, file_key='') -- threads counts the calling thread.")
+      .def(
+          "__init__",
+          [](PyStagingPool* self, const std::string& root_dir, uint32_t rank, size_t num_slots,
+             size_t threads, bool populate, bool remove_on_close, const std::string& file_key) {
+            StagingPoolOptions o;
+            o.root_dir = root_dir;
+            o.rank = rank;
+            o.num_slots = num_slots;
+            o.populate = populate;
+            o.remove_on_close = remove_on_close;
+            o.file_key = file_key;
+            Result<std::unique_ptr<StagingPool>> r = [&] {
+              nb::gil_scoped_release g;
+              return StagingPool::Open(o);
+            }();
+            auto pool = ValueOrThrow(std::move(r));
+            new (self) PyStagingPool();
+            self->pool = std::move(pool);
+            if (threads > 1) self->threads = std::make_unique<ThreadPool>(threads - 1);
+            self->live_views.assign(num_slots, 0);
+          },
+          nb::arg("root_dir"), nb::arg("rank") = 0, nb::arg("num_slots") = 2,
+          nb::arg("threads") = 2, nb::arg("populate") = true, nb::arg("remove_on_close") = true,
+          nb::arg("file_key") = "")
+      .def(
+          "acquire",
+          [](PyStagingPool& self, uint64_t nbytes) {
+            StagingPool& p = self.Checked();
+            for (size_t i = 0; i < self.live_views.size(); ++i) {
+              if (!p.in_use(i)) CheckNoGrowthUnderViews(self, i, nbytes);
+            }
+            Result<StagingSlot> r = [&] {
+              nb::gil_scoped_release g;
+              return p.Acquire(nbytes);
+            }();
+            StagingSlot s = ValueOrThrow(std::move(r));
+            return SlotDict(s);
+          },
+          nb::arg("nbytes"),
+          "Acquires the free slot released longest ago with >= nbytes; returns a dict "
+          "{index, address, capacity, path, key}.")
+      .def(
+          "acquire_slot",
+          [](PyStagingPool& self, size_t index, uint64_t nbytes) {
+            StagingPool& p = self.Checked();
+            CheckNoGrowthUnderViews(self, index, nbytes);
+            Result<StagingSlot> r = [&] {
+              nb::gil_scoped_release g;
+              return p.AcquireSlot(index, nbytes);
+            }();
+            return SlotDict(ValueOrThrow(std::move(r)));
+          },
+          nb::arg("index"), nb::arg("nbytes") = 0,
+          "Acquires slot `index` (nbytes=0 maps what its file already holds).")
+      .def(
+          "release",
+          [](PyStagingPool& self, size_t index) { ThrowIfError(self.Checked().Release(index)); },
+          nb::arg("index"))
+      .def(
+          "buffer",
+          [](nb::handle self_h, size_t index) {
+            PyStagingPool& self = *nb::inst_ptr<PyStagingPool>(self_h);
+            StagingSlot s = AcquiredView(self, index);
+            auto* token = new ViewToken{self_h.ptr(), index};
+            Py_INCREF(self_h.ptr());
+            ++self.live_views[index];
+            nb::capsule owner(token, [](void* ptr) noexcept {
+              auto* t = static_cast<ViewToken*>(ptr);
+              PyStagingPool* pool = nb::inst_ptr<PyStagingPool>(nb::handle(t->pool_obj));
+              if (--pool->live_views[t->index] == 0 && pool->closed && pool->total_views() == 0) {
+                pool->Finish();
+              }
+              Py_DECREF(t->pool_obj);
+              delete t;
+            });
+            size_t shape[1] = {static_cast<size_t>(s.capacity)};
+            return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(s.data, 1, shape, owner);
+          },
+          nb::arg("index"),
+          "A writable numpy uint8 array over acquired slot `index` (its whole capacity), "
+          "without a copy.")
+      .def(
+          "copy_in",
+          [](PyStagingPool& self, size_t index, const std::vector<SpanTuple>& spans) {
+            StagingPool& p = self.Checked();
+            std::vector<CopySpan> v;
+            v.reserve(spans.size());
+            for (auto& [src, off, n] : spans) {
+              v.push_back(CopySpan{reinterpret_cast<const void*>(src), off, n});
+            }
+            Status s;
+            {
+              nb::gil_scoped_release g;
+              s = p.CopyIn(index, v, self.helpers());
+            }
+            ThrowIfError(s);
+          },
+          nb::arg("index"), nb::arg("spans"),
+          "Copies each (src_address, dst_offset, nbytes) into slot `index` in parallel.")
+      .def(
+          "copy_out",
+          [](PyStagingPool& self, size_t index, const std::vector<SpanTuple>& spans) {
+            StagingPool& p = self.Checked();
+            std::vector<CopyOutSpan> v;
+            v.reserve(spans.size());
+            for (auto& [dst, off, n] : spans) {
+              v.push_back(CopyOutSpan{reinterpret_cast<void*>(dst), off, n});
+            }
+            Status s;
+            {
+              nb::gil_scoped_release g;
+              s = p.CopyOut(index, v, self.helpers());
+            }
+            ThrowIfError(s);
+          },
+          nb::arg("index"), nb::arg("spans"),
+          "Copies each (dst_address, src_offset, nbytes) out of slot `index` in parallel.")
+      .def(
+          "checksums",
+          [](PyStagingPool& self, size_t index, uint64_t offset, uint64_t nbytes,
+             uint64_t block_size) {
+            StagingSlot s = AcquiredView(self, index);
+            if (offset > s.capacity || s.capacity - offset < nbytes) {
+              RaiseStatus(OutOfRangeError("checksum range [" + std::to_string(offset) + ", +" +
+                                          std::to_string(nbytes) + ") outside slot " +
+                                          std::to_string(index) + " of " +
+                                          std::to_string(s.capacity) + " bytes"));
+            }
+            Result<std::vector<uint64_t>> r = [&] {
+              nb::gil_scoped_release g;
+              return BlockChecksums(s.data + offset, nbytes, block_size, self.helpers());
+            }();
+            return ValueOrThrow(std::move(r));
+          },
+          nb::arg("index"), nb::arg("offset"), nb::arg("nbytes"),
+          nb::arg("block_size") = kChecksumBlockSize,
+          "XXH3-64 of each block of [offset, offset + nbytes) of acquired slot `index`, in "
+          "parallel.")
+      .def("in_use",
+           [](PyStagingPool& self, size_t i) { return !self.closed && self.pool->in_use(i); })
+      .def_prop_ro("num_slots", [](PyStagingPool& self) { return self.live_views.size(); })
+      .def_prop_ro("footprint",
+                   [](PyStagingPool& self) { return self.pool ? self.pool->footprint() : 0; })
+      .def_prop_ro("root_dir",
+                   [](PyStagingPool& self) { return self.Checked().options().root_dir; })
+      .def_prop_ro("rank", [](PyStagingPool& self) { return self.Checked().options().rank; })
+      .def_prop_ro("live_buffers", [](PyStagingPool& self) { return self.total_views(); })
+      .def_prop_ro("closed", [](PyStagingPool& self) { return self.closed; })
+      .def(
+          "close",
+          [](PyStagingPool& self) {
+            if (self.closed) return;
+            self.closed = true;
+            if (!self.pool) return;
+            if (self.total_views() == 0) {
+              Status s;
+              {
+                nb::gil_scoped_release g;
+                s = self.pool->Close();
+              }
+              self.pool.reset();
+              self.threads.reset();
+              ThrowIfError(s);
+              return;
+            }
+            // Arrays still point into the mappings: delete the files now
+            // (nothing is left in /dev/shm), unmap when the last array goes.
+            Status s =
+                self.pool->options().remove_on_close ? self.pool->RemoveFiles() : Status::OK();
+            ThrowIfError(s);
+          },
+          "Deletes this rank's shared-memory files and unmaps (the unmap waits for live "
+          "buffers).")
+      .def("__enter__", [](nb::handle self) { return nb::borrow(self); })
+      .def("__exit__", [](nb::handle self, nb::args) { self.attr("close")(); });
+}
 
 }  // namespace cairn::python

@@ -107,6 +107,23 @@ TEST_F(StagingPoolTest, CopyInRejectsSpansOutsideTheSlotAndCopiesNothing) {
   EXPECT_EQ(pool->CopyIn(slot->index, spans, nullptr).code(), StatusCode::kFailedPrecondition);
 }
 
+TEST_F(StagingPoolTest, CopyOutReadsTheStagedBytesBack) {
+  auto pool = OpenPool();
+  std::vector<char> a = Pattern(3 << 20, 1), b = Pattern(12345, 2);
+  auto slot = pool->Acquire(8 << 20);
+  ASSERT_TRUE(slot.ok());
+  std::vector<CopySpan> in = {{a.data(), 0, a.size()}, {b.data(), 4 << 20, b.size()}};
+  ThreadPool threads(2);
+  ASSERT_TRUE(pool->CopyIn(slot->index, in, &threads, 1 << 20).ok());
+  std::vector<char> a2(a.size()), b2(b.size());
+  std::vector<CopyOutSpan> out = {{a2.data(), 0, a2.size()}, {b2.data(), 4 << 20, b2.size()}};
+  ASSERT_TRUE(pool->CopyOut(slot->index, out, &threads, 1 << 20).ok());
+  EXPECT_EQ(a, a2);
+  EXPECT_EQ(b, b2);
+  out = {{b2.data(), slot->capacity - 10, b2.size()}};
+  EXPECT_EQ(pool->CopyOut(slot->index, out, nullptr).code(), StatusCode::kOutOfRange);
+}
+
 TEST_F(StagingPoolTest, RepeatedSavesReuseTheSameMemory) {
   auto pool = OpenPool(0, 1);
   char* first = nullptr;
@@ -208,6 +225,58 @@ TEST_F(StagingPoolTest, CloseOfEveryRankLeavesNothingBehind) {
   EXPECT_EQ(r0->Acquire(1).status().code(), StatusCode::kFailedPrecondition);
   EXPECT_TRUE(r0->Close().ok());  // idempotent
   ASSERT_TRUE(r1->Close().ok());
+  EXPECT_FALSE(fs::exists(dir_));
+}
+
+TEST_F(StagingPoolTest, RemoveFilesKeepsTheMappingValid) {
+  auto pool = OpenPool();
+  auto slot = pool->Acquire(1 << 20);
+  ASSERT_TRUE(slot.ok());
+  std::memcpy(slot->data, "still here", 11);
+  ASSERT_TRUE(pool->RemoveFiles().ok());
+  EXPECT_FALSE(fs::exists(slot->path));
+  EXPECT_FALSE(fs::exists(dir_));
+  EXPECT_STREQ(slot->data, "still here");
+  EXPECT_TRUE(pool->Close().ok());
+}
+
+TEST_F(StagingPoolTest, RemoveFilesSparesAFileALiveProcessHolds) {
+  auto holder = OpenPool(0, 1);
+  auto slot = holder->Acquire(1 << 20);
+  ASSERT_TRUE(slot.ok());
+  auto other = OpenPool(0, 1);  // same rank, never acquired anything
+  ASSERT_TRUE(other->Close().ok());
+  EXPECT_TRUE(fs::exists(slot->path));
+  ASSERT_TRUE(holder->Close().ok());
+  EXPECT_FALSE(fs::exists(dir_));
+}
+
+TEST_F(StagingPoolTest, CloseAfterRemoveFilesSparesANewerFileAtTheSamePath) {
+  auto old_pool = OpenPool(0, 1);
+  auto slot = old_pool->Acquire(1 << 20);
+  ASSERT_TRUE(slot.ok());
+  ASSERT_TRUE(old_pool->RemoveFiles().ok());  // mapping kept (live buffers)
+  auto new_pool = OpenPool(0, 1);
+  ASSERT_TRUE(new_pool->Acquire(1 << 20).ok());
+  ASSERT_TRUE(old_pool->Close().ok());
+  EXPECT_TRUE(fs::exists(slot->path));  // the new pool's file
+  ASSERT_TRUE(new_pool->Close().ok());
+  EXPECT_FALSE(fs::exists(dir_));
+}
+
+TEST_F(StagingPoolTest, CloseRemovesLeftoversOfALargerEarlierPool) {
+  auto big = OpenPool(0, 4);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(big->Acquire(4096).ok());
+  big.reset();
+  // Files as a crashed 4-slot run of rank 0 would have left them.
+  for (int i = 0; i < 4; ++i) {
+    std::string d = dir_ + "/slot" + std::to_string(i) + "/data";
+    fs::create_directories(d);
+    std::ofstream(d + "/r0.bin") << "left";
+  }
+  ASSERT_TRUE(fs::exists(dir_ + "/slot3/data/r0.bin"));
+  auto small = OpenPool(0, 2);
+  ASSERT_TRUE(small->Close().ok());
   EXPECT_FALSE(fs::exists(dir_));
 }
 

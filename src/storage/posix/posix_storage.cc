@@ -432,7 +432,11 @@ class PosixStorage final : public Storage {
     }
     struct stat st;
     std::string name(leaf);
-    if (::fstatat(parent->get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) return true;
+    // A symlink is neither a file nor a directory to cairn (it is never
+    // followed, and List does not show it).
+    if (::fstatat(parent->get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+      return !S_ISLNK(st.st_mode);
+    }
     if (errno == ENOENT || errno == ENOTDIR) return false;
     return ErrnoToStatus(errno, "stat " + Path(key));
   }

@@ -85,6 +85,20 @@ Status MappedShmFile::Populate() {
   return Status::OK();
 }
 
+Status MappedShmFile::Unlink() {
+  if (fd_ < 0) return Status::OK();
+  struct stat mine, named;
+  if (::fstat(fd_, &mine) != 0) return ErrnoToStatus(errno, "stat " + path_);
+  if (::stat(path_.c_str(), &named) != 0) {
+    return errno == ENOENT ? Status::OK() : ErrnoToStatus(errno, "stat " + path_);
+  }
+  if (mine.st_dev != named.st_dev || mine.st_ino != named.st_ino) return Status::OK();
+  if (::unlink(path_.c_str()) != 0 && errno != ENOENT) {
+    return ErrnoToStatus(errno, "delete " + path_);
+  }
+  return Status::OK();
+}
+
 Status MappedShmFile::Close(bool unlink) {
   Status s;
   if (data_) {
@@ -95,8 +109,9 @@ Status MappedShmFile::Close(bool unlink) {
   if (fd_ >= 0) {
     // Unlink while still holding the lock, so no other process can open and
     // lock the old inode in between.
-    if (unlink && ::unlink(path_.c_str()) != 0 && errno != ENOENT && s.ok()) {
-      s = ErrnoToStatus(errno, "delete " + path_);
+    if (unlink) {
+      Status u = Unlink();
+      if (s.ok()) s = u;
     }
     ::close(fd_);
     fd_ = -1;

@@ -37,6 +37,10 @@ class MappedShmFile {
   uint64_t size() const { return size_; }
   const std::string& path() const { return path_; }
 
+  // Deletes the file's name if it still names this file (not a newer file
+  // created at the same path since); the mapping stays valid.
+  Status Unlink();
+
   // Unmaps and closes; also unlinks the file when `unlink`.
   Status Close(bool unlink);
 
