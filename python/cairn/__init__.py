@@ -10,4 +10,5 @@ from cairn.errors import (
 )
 
 __version__ = "0.1.0"
+from cairn.manager import CheckpointManager
 from cairn.state import RNGState, TrainState, seed_everything

@@ -88,7 +88,7 @@ def _uri(path: str | os.PathLike | None) -> str:
     s = os.fspath(path)
     if not isinstance(s, str) or not s:
         raise InvalidArgumentError(f"invalid checkpoint path {path!r}")
-    if "://" in s and not s.startswith(("file://", "shm://")):
+    if "://" in s and not s.startswith(("file://", "shm://", "fault://")):
         raise InvalidArgumentError(f"unsupported checkpoint URI scheme: {s}")
     return s
 

@@ -228,8 +228,8 @@ Status VerifyData(Storage* storage, std::string_view dir, const Manifest& m, Thr
   const std::string where = "verifying " + Where(storage, dir);
   // Every byte of every file is covered by exactly one task: item blocks are
   // checked against their checksums, and the alignment padding between items
-  // must be zero (ValidateManifest guarantees the items do not overlap and
-  // that each file ends with its last item).
+  // and after the last item must be zero (ValidateManifest guarantees the
+  // items do not overlap and end within their file).
   std::vector<std::vector<VerifyTask>> per_file(m.files.size());
   std::vector<std::string> first_item(m.files.size());
   auto add_item = [&](const ItemLocation& loc, const std::string& name) {
@@ -260,6 +260,10 @@ Status VerifyData(Storage* storage, std::string_view dir, const Manifest& m, Thr
                         "padding at offset " + std::to_string(pos)});
       }
       pos = t.offset + t.length;
+    }
+    if (pos < m.files[f].size) {
+      gaps.push_back({static_cast<uint32_t>(f), pos, m.files[f].size - pos, true, 0,
+                      "padding at offset " + std::to_string(pos)});
     }
     tasks.insert(tasks.end(), gaps.begin(), gaps.end());
   }

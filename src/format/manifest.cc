@@ -320,9 +320,11 @@ Status ValidateManifest(const Manifest& m) {
     if (!names.insert(b.fqn).second) return Invalid("name '" + b.fqn + "' listed twice");
     CAIRN_RETURN_IF_ERROR(ValidateLocation(m, b.location, "bytes '" + b.fqn + "'"));
   }
-  // Items of one file must not overlap, and the file must end where its last
-  // item ends: then every byte of a data file is either covered by a checksum
-  // or is alignment padding that must be zero, and Verify can check them all.
+  // Items of one file must not overlap and must end within the file; bytes
+  // after the last item are trailing padding (a reused staging slot is larger
+  // than what one save puts in it). Every byte of a data file is either
+  // covered by a checksum or is padding that must be zero, so Verify can check
+  // them all.
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> spans(m.files.size());
   for (const auto& t : m.tensors) {
     for (const auto& c : t.chunks) {
@@ -344,9 +346,9 @@ Status ValidateManifest(const Manifest& m) {
       }
       end = off + len;
     }
-    if (end != m.files[i].size) {
+    if (end > m.files[i].size) {
       return Invalid(m.files[i].key + ": size " + std::to_string(m.files[i].size) +
-                     " differs from the end of its last item (" + std::to_string(end) + ")");
+                     " is smaller than the end of its last item (" + std::to_string(end) + ")");
     }
   }
   if (m.extra.empty()) return Invalid("extra is empty (must be a JSON object)");

@@ -1,0 +1,722 @@
+"""CheckpointManager: async, tiered checkpointing and recovery of a whole run.
+
+Tiers, fastest first:
+  memory   this node's shared memory (/dev/shm/cairn-<tag>/slot<k>/). The staging
+           buffers *are* the memory tier: a staged save is a complete cairn checkpoint
+           there once its manifest is written, and it survives a crash of the
+           training process (not of the node).
+  local    an optional fast local directory (NVMe), ``<local>/step_<N>/``.
+  durable  ``<root>/step_<N>/`` (a directory; S3 later).
+
+Protocol of one save (every rank; the coordinator is rank 0 of the checkpoint group):
+  1. Wait for the previous save; if it failed, raise its error now (training may go on).
+  2. Stage (blocking): ``dcp.save`` with a staging writer. DCP plans on the dedicated
+     gloo group; each rank's ``write_data`` uncommits the memory-tier checkpoint held by
+     the slot it is about to reuse, lays its items out 4 KiB-aligned in that slot (a
+     file in shared memory, mapped once and pre-faulted, reused across saves) and
+     copies them in with a parallel memcpy (GPU tensors: device-to-host on a side
+     stream into the slot registered as pinned memory). ``save()`` returns here.
+  3. Persist (a background thread whose I/O runs in C++ with the GIL released):
+     a. checksum this rank's items in the slot;
+     b. all-gather (checksums, sizes, error) on the checkpoint group;
+     c. commit the manifest into the slot directory (local rank 0 of every node):
+        the memory tier now holds step N;
+     d. for each slower tier this save goes to (local, then durable): every rank
+        uncommits ``step_N`` there (a leftover from an older attempt), writes its slot
+        file to ``step_N/data/r<rank>.bin`` and fsyncs it; all-gather the outcome; the
+        coordinator commits the manifest (temp file, fsync, rename, fsync directory)
+        only if every rank succeeded, then prunes the tier to its newest ``keep``
+        committed checkpoints and removes partial leftovers of crashed saves.
+  4. An error in 3 is kept and raised by the next ``save()``/``wait()``/``close()``.
+
+Restore: every rank lists the (step, tier) pairs it can see; the ranks agree on the
+newest step that every rank has in some tier; each rank opens it from its fastest tier
+(which validates the manifest and data file sizes); if any rank fails, that tier is
+dropped for that step and the next tier or older step is tried; otherwise ``dcp.load``
+reads it (checksums verified) and a failure there also falls back.
+
+Every collective runs on a dedicated gloo group with a timeout; ``wait()`` has one too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+import threading
+import warnings
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from cairn import _ext
+from cairn.dcp import Reader, _Location, _manifest_body
+from cairn.errors import CorruptionError, Error, InvalidArgumentError, TimeoutError
+from cairn.state import RNGState
+
+__all__ = ["CheckpointManager"]
+
+log = logging.getLogger(__name__)
+
+_ALIGN = int(_ext.ITEM_ALIGNMENT)
+_RUN_ID_FILE = "cairn.run"
+
+
+def _step_dir(step: int) -> str:
+    return f"step_{step:010d}"
+
+
+def _join(uri: str, name: str) -> str:
+    return uri.rstrip("/") + "/" + name
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+class _StagingWriter(StorageWriter):
+    """The blocking half of a save: a DCP ``StorageWriter`` that copies each rank's
+    items into its shared-memory staging slot and writes nothing else. The
+    manager's background thread turns the slot into committed checkpoints."""
+
+    def __init__(self, mgr: "CheckpointManager", slot: int):
+        super().__init__()
+        self.mgr = mgr
+        self.slot = slot
+        self.is_coordinator = False
+        self.metadata: Metadata | None = None
+        self.results: list[list[WriteResult]] | None = None
+        self.local_results: list[WriteResult] = []
+        self.used = 0
+        self.capacity = 0
+        self.address = 0
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        mgr = self.mgr
+        key = f"data/r{mgr.rank}.bin"
+        keep_alive: list[Any] = []
+        items = []  # (write item, source, nbytes, offset)
+        offset = 0
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                buf = data.getbuffer() if isinstance(data, io.BytesIO) else data
+                src = np.frombuffer(buf, dtype=np.uint8)
+                nbytes = src.nbytes
+            else:
+                src = data.detach()
+                if src.device.type == "cpu" and not src.is_contiguous():
+                    src = src.contiguous()
+                nbytes = src.numel() * src.element_size()
+            keep_alive.append(src)
+            items.append((item, src, nbytes, offset))
+            offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        used = max(offset, _ALIGN)
+        # The slot may still hold an older memory-tier checkpoint: uncommit it before
+        # a single byte of it changes.
+        _ext.uncommit(mgr._slot_uri(self.slot))
+        slot = mgr._pool.acquire_slot(self.slot, used)
+        mgr._slot_held = self.slot
+        spans, gpu = [], []
+        for _, src, nbytes, off in items:
+            if nbytes == 0:
+                continue
+            if isinstance(src, torch.Tensor) and src.device.type != "cpu":
+                gpu.append((src, off))
+            elif isinstance(src, torch.Tensor):
+                spans.append((src.data_ptr(), off, nbytes))
+            else:
+                spans.append((src.ctypes.data, off, nbytes))
+        if gpu:
+            mgr._stage_device_tensors(self.slot, slot, gpu)
+        mgr._pool.copy_in(self.slot, spans)
+        # Alignment gaps and the slot's tail are padding, which a checkpoint keeps
+        # zero (verify checks it); a reused slot may hold older bytes there.
+        buf = mgr._pool.buffer(self.slot)
+        for _, _, nbytes, off in items:
+            buf[off + nbytes:off + (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN] = 0
+        buf[used:] = 0
+        del buf
+        del keep_alive
+        self.used = used
+        self.capacity = int(slot["capacity"])
+        self.address = int(slot["address"])
+        self.local_results = [
+            WriteResult(index=item.index, size_in_bytes=nbytes,
+                        storage_data=_Location(key, self.capacity, off, nbytes, ()))
+            for item, _, nbytes, off in items
+        ]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(self.local_results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.metadata = metadata
+        self.results = results
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def storage_meta(self):
+        return None
+
+
+@dataclasses.dataclass
+class _Save:
+    step: int
+    slot: int
+    durable: bool
+    writer: _StagingWriter
+    stall_s: float
+    started: float
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    persist_s: float = 0.0
+    everyone: list[dict] | None = None  # per-rank checksums and sizes, once gathered
+    tiers_done: list[str] = dataclasses.field(default_factory=list)
+
+
+class CheckpointManager:
+    """Owns checkpointing and recovery of a training run.
+
+    Args:
+        root: the durable tier: a directory (or ``file://DIR``), created if missing.
+        memory: keep checkpoints in this node's shared memory (the staging buffers)
+            and restore from there first.
+        local: an optional fast local directory (NVMe) tier.
+        keep: committed checkpoints kept in the durable tier (>= 1). The newest valid
+            one is never deleted.
+        keep_local: checkpoints kept in the local tier (default: ``keep``).
+        memory_slots: checkpoints held in shared memory (>= 1, default 1). The
+            footprint is ``memory_slots`` × the state size, flat across saves; with
+            one slot, a save overwrites the previous memory-tier checkpoint (the
+            slower tiers still hold it).
+        durable_every: every Nth save reaches the slower tiers (default 1: every save);
+            ``save(..., durable=True)`` forces one.
+        process_group: the group whose ranks checkpoint together (default: the world).
+            The manager creates its own gloo group over those ranks.
+        timeout: seconds for every collective and wait (default 600).
+        thread_count: I/O threads per rank.
+        direct_io: O_DIRECT writes to the local and durable tiers where possible.
+
+    Thread-safety: one manager per process, used from one thread. ``save()`` returns
+    after staging; ``wait()`` blocks until the save is durable; ``close()`` waits,
+    flushes the newest save to the durable tier if it was not there yet, and frees
+    the shared memory.
+    """
+
+    def __init__(self, root: str | os.PathLike, memory: bool = True,
+                 local: str | os.PathLike | None = None, keep: int = 3, *,
+                 keep_local: int | None = None, memory_slots: int = 1, durable_every: int = 1,
+                 process_group: Any = None, timeout: float = 600.0,
+                 thread_count: int | None = None, direct_io: bool = True):
+        for name, v in (("keep", keep), ("memory_slots", memory_slots),
+                        ("durable_every", durable_every)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
+        if keep_local is not None and (not isinstance(keep_local, int) or keep_local < 1):
+            raise InvalidArgumentError(f"keep_local must be an int >= 1, got {keep_local!r}")
+        if not timeout or timeout <= 0:
+            raise InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.root = self._tier_uri(root, "root")
+        self.local = None if local is None else self._tier_uri(local, "local")
+        self.memory = bool(memory)
+        self.keep = keep
+        self.keep_local = keep_local or keep
+        self.durable_every = durable_every
+        self.timeout = float(timeout)
+        self.direct_io = direct_io
+        self._threads = _ext.ThreadPool(thread_count or max(2, min(8, os.cpu_count() or 2)))
+        self._closed = False
+        self._inflight: _Save | None = None
+        self._last: _Save | None = None
+        self._pending_error: BaseException | None = None
+        self._saves = 0
+        self._history: list[dict[str, Any]] = []
+        self._slot_held: int | None = None
+        self._registered: dict[int, tuple[int, int]] = {}
+
+        # The checkpoint group: its own gloo group, so checkpoint collectives never
+        # interleave with training collectives, each bounded by `timeout`.
+        self._dist = dist.is_available() and dist.is_initialized()
+        if self._dist:
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            self.pg = dist.new_group(ranks=ranks, backend="gloo",
+                                     timeout=timedelta(seconds=self.timeout))
+            self.rank = dist.get_rank(self.pg)
+            self.world = dist.get_world_size(self.pg)
+        else:
+            self.pg = None
+            self.rank, self.world = 0, 1
+        self.is_coordinator = self.rank == 0
+
+        for uri in filter(None, (self.root, self.local)):
+            if self.is_coordinator:
+                _ext.open_storage(uri, create=True)
+        self.run_id = self._agree_run_id()
+        tag = hashlib.sha256(f"{os.path.realpath(self._local_path(self.root))}".encode())
+        self.shm_name = f"cairn-{tag.hexdigest()[:16]}"
+        self.shm_dir = _ext.shm_directory(self.shm_name)
+        self.num_slots = memory_slots
+        self._pool = _ext.StagingPool(self.shm_dir, rank=self.rank, num_slots=self.num_slots,
+                                      threads=max(2, min(8, os.cpu_count() or 2)),
+                                      remove_on_close=True)
+        self._next_slot = self._agree(self._oldest_slot() if self.is_coordinator else 0)
+
+    # ---- small helpers -----------------------------------------------------------
+
+    @staticmethod
+    def _tier_uri(path: str | os.PathLike, what: str) -> str:
+        s = os.fspath(path)
+        if not isinstance(s, str) or not s:
+            raise InvalidArgumentError(f"invalid {what} directory {path!r}")
+        if "://" in s and not s.startswith(("file://", "fault://")):
+            raise InvalidArgumentError(f"unsupported {what} URI: {s}")
+        return s if "://" in s else os.path.abspath(s)
+
+    @staticmethod
+    def _local_path(uri: str) -> str:
+        return uri[len("file://"):] if uri.startswith("file://") else uri
+
+    def _slot_uri(self, slot: int) -> str:
+        return f"shm://{self.shm_name}/slot{slot}"
+
+    def _agree(self, value: Any) -> Any:
+        """The coordinator's `value`, on every rank."""
+        if not self._dist:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
+        return box[0]
+
+    def _gather(self, value: Any) -> list[Any]:
+        if not self._dist:
+            return [value]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value, group=self.pg)
+        return out
+
+    def _agree_run_id(self) -> str:
+        """The run's identity, stored in the durable root, so that a memory-tier
+        checkpoint left by another run on the same path is never restored."""
+        rid = None
+        if self.is_coordinator:
+            st = _ext.open_storage(self.root, create=True)
+            try:
+                rid = bytes(st.read_file(_RUN_ID_FILE)).decode().strip() or None
+            except (FileNotFoundError, Error):
+                rid = None
+            if rid is None:
+                rid = uuid.uuid4().hex
+                st.write_file(_RUN_ID_FILE, rid.encode(), sync=True)
+        return self._agree(rid)
+
+    def _memory_checkpoints(self) -> dict[int, tuple[int, str]]:
+        """{slot: (step, uri)} of this node's committed memory-tier checkpoints of
+        this run."""
+        out = {}
+        for slot in range(self.num_slots):
+            uri = self._slot_uri(slot)
+            if not _ext.has_manifest(uri):
+                continue
+            try:
+                body = json.loads(_ext.CheckpointReader(uri).manifest_json())
+            except Error:
+                continue
+            extra = body.get("extra", {}).get("manager", {})
+            if extra.get("run_id") == self.run_id and isinstance(extra.get("step"), int):
+                out[slot] = (extra["step"], uri)
+        return out
+
+    def _oldest_slot(self) -> int:
+        held = self._memory_checkpoints()
+        for slot in range(self.num_slots):
+            if slot not in held:
+                return slot
+        return min(held, key=lambda s: held[s][0])
+
+    # ---- save ----------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any], *, durable: bool | None = None) -> None:
+        """Checkpoints `state` (a dict of tensors and DCP Statefuls) as `step`.
+
+        Blocks only while the state is copied into shared memory; persistence runs in
+        the background. Waits for the previous save first and raises its error, if any.
+        `durable` forces (True) or skips (False) the slower tiers for this save;
+        by default every `durable_every`-th save goes there.
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
+        if not isinstance(state, dict):
+            raise InvalidArgumentError("state must be a dict of tensors and Statefuls")
+        self.wait()
+        self._saves += 1
+        goes_durable = durable if durable is not None else (self._saves % self.durable_every == 0)
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % self.num_slots
+        t0 = time.perf_counter()
+        writer = _StagingWriter(self, slot)
+        try:
+            with warnings.catch_warnings():
+                # Single-process runs are fine: DCP's warning about it is noise here.
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(state, storage_writer=writer, process_group=self.pg)
+        except BaseException:
+            self._release_slot()
+            raise
+        stall = time.perf_counter() - t0
+        rec = _Save(step=step, slot=slot, durable=goes_durable, writer=writer, stall_s=stall,
+                    started=time.perf_counter())
+        rec.thread = threading.Thread(target=self._persist, args=(rec,),
+                                      name=f"cairn-persist-{step}", daemon=True)
+        self._inflight = rec
+        rec.thread.start()
+
+    def _release_slot(self) -> None:
+        if self._slot_held is not None:
+            try:
+                self._pool.release(self._slot_held)
+            except Error:
+                pass
+            self._slot_held = None
+
+    def _persist(self, rec: _Save) -> None:
+        try:
+            self._persist_inner(rec)
+        except BaseException as e:  # kept for the next save()/wait()/close()
+            rec.error = e
+        finally:
+            self._release_slot()
+            rec.persist_s = time.perf_counter() - rec.started
+
+    def _persist_inner(self, rec: _Save) -> None:
+        w = rec.writer
+        slot = rec.slot
+        # a. checksums of this rank's items, from the slot (C++, GIL released).
+        err = None
+        sums: list[tuple[int, ...]] = []
+        try:
+            for wr in w.local_results:
+                loc = wr.storage_data
+                sums.append(tuple(self._pool.checksums(slot, loc.offset, loc.length,
+                                                       int(_ext.DEFAULT_BLOCK_SIZE))))
+        except BaseException as e:
+            err = f"rank {self.rank}: checksumming staged data: {e}"
+        # b. everyone learns everyone's outcome.
+        mine = {"err": err, "sums": sums, "used": w.used, "capacity": w.capacity}
+        everyone = self._gather(mine)
+        errors = [o["err"] for o in everyone if o["err"]]
+        if errors:
+            raise Error("staging of step %d failed: %s" % (rec.step, "; ".join(errors)))
+        # c. the memory tier: the slot with its manifest.
+        body = None
+        if self.is_coordinator:
+            body = self._body(rec, everyone, size_key="capacity")
+        body = self._agree(body)
+        if _local_rank() == 0 or self.is_coordinator:
+            _ext.commit_manifest(self._slot_uri(slot), body)
+        rec.everyone = everyone
+        rec.tiers_done.append("memory")
+        if rec.durable:
+            self._persist_slower_tiers(rec)
+
+    def _persist_slower_tiers(self, rec: _Save) -> None:
+        """d. the local tier, then the durable one."""
+        for tier, keep in ((self.local, self.keep_local), (self.root, self.keep)):
+            if tier is None:
+                continue
+            self._persist_to(rec, tier, keep, rec.everyone)
+            rec.tiers_done.append("local" if tier == self.local else "durable")
+
+    def _persist_to(self, rec: _Save, tier: str, keep: int, everyone: list[dict]) -> None:
+        uri = _join(tier, _step_dir(rec.step))
+        err, size = None, 0
+        try:
+            _ext.uncommit(uri)
+            size, _ = _ext.write_data_file(uri, f"data/r{self.rank}.bin",
+                                           [(rec.writer.address, rec.writer.used)], self._threads,
+                                           direct_io=self.direct_io, sync=True,
+                                           block_size=int(_ext.DEFAULT_BLOCK_SIZE))
+        except BaseException as e:
+            err = f"rank {self.rank}: writing {uri}: {e}"
+        outcome = self._gather({"err": err, "size": size})
+        errors = [o["err"] for o in outcome if o["err"]]
+        if errors:
+            raise Error("persisting step %d failed, checkpoint not committed: %s"
+                        % (rec.step, "; ".join(errors)))
+        if self.is_coordinator:
+            sized = [dict(o, tier_size=x["size"]) for o, x in zip(everyone, outcome)]
+            _ext.commit_manifest(uri, self._body(rec, sized, size_key="tier_size"))
+            self._prune(tier, keep)
+
+    def _body(self, rec: _Save, everyone: list[dict], size_key: str) -> str:
+        """The manifest of this save, with the per-rank file sizes of one tier."""
+        w = rec.writer
+        assert w.metadata is not None and w.results is not None
+        results = []
+        for rank, rank_results in enumerate(w.results):
+            info = everyone[rank]
+            fixed = []
+            for wr, sums in zip(rank_results, info["sums"]):
+                loc = wr.storage_data
+                fixed.append(dataclasses.replace(
+                    wr, storage_data=_Location(loc.file, info[size_key], loc.offset,
+                                               loc.length, sums)))
+            results.append(fixed)
+        body = _manifest_body(w.metadata, results, int(_ext.DEFAULT_BLOCK_SIZE), None,
+                              uuid.uuid4().hex)
+        body["extra"]["manager"] = {"step": rec.step, "run_id": self.run_id}
+        return json.dumps(body, separators=(",", ":"))
+
+    def _prune(self, tier: str, keep: int) -> None:
+        """Keeps the newest `keep` committed checkpoints of `tier`; removes older ones
+        (manifest first, so a crash mid-delete leaves a partial, never a broken valid
+        one) and the partial leftovers of crashed saves."""
+        entries = _ext.list_checkpoints(tier)
+        committed = sorted((e for e in entries if e["committed"] and e["step"] is not None),
+                           key=lambda e: e["step"])
+        doomed = [e["name"] for e in committed[:-keep]] if len(committed) > keep else []
+        doomed += [e["name"] for e in entries if not e["committed"] and e["step"] is not None]
+        if not doomed:
+            return
+        st = _ext.open_storage(tier, create=False)
+        for name in doomed:
+            try:
+                _ext.uncommit(_join(tier, name))
+                st.delete_dir(name)
+            except Error as e:
+                log.warning("cairn: pruning %s/%s: %s", tier, name, e)
+
+    def _stage_device_tensors(self, slot_index: int, slot: dict, items: list) -> None:
+        """Device-to-host copies of GPU tensors into the slot, on a side stream, with
+        the slot registered as pinned memory so the copies run asynchronously."""
+        addr, cap = int(slot["address"]), int(slot["capacity"])
+        if torch.cuda.is_available() and self._registered.get(slot_index) != (addr, cap):
+            old = self._registered.pop(slot_index, None)
+            if old is not None:
+                torch.cuda.cudart().cudaHostUnregister(old[0])
+            torch.cuda.cudart().cudaHostRegister(addr, cap, 0)
+            self._registered[slot_index] = (addr, cap)
+        buf = torch.from_numpy(self._pool.buffer(slot_index))
+        stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+        with ctx:
+            for src, off in items:
+                nbytes = src.numel() * src.element_size()
+                dst = buf[off:off + nbytes].view(src.dtype).view(src.shape)
+                dst.copy_(src, non_blocking=stream is not None)
+        if stream is not None:
+            stream.synchronize()
+
+    # ---- waiting and closing ---------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until the save in flight is persisted; raises its error, if any, or
+        cairn.TimeoutError after `timeout` seconds (default: the manager's)."""
+        rec = self._inflight
+        if rec is not None:
+            assert rec.thread is not None
+            rec.thread.join(self.timeout if timeout is None else timeout)
+            if rec.thread.is_alive():
+                raise TimeoutError(f"checkpoint of step {rec.step} still persisting after "
+                                   f"{self.timeout if timeout is None else timeout:.0f}s")
+            self._inflight = None
+            self._last = rec
+            self._history.append({"step": rec.step, "stall_s": rec.stall_s,
+                                  "persist_s": rec.persist_s, "tiers": list(rec.tiers_done),
+                                  "bytes": rec.writer.used, "ok": rec.error is None})
+            if rec.error is not None:
+                self._release_slot()
+                self._pending_error = rec.error
+        if self._pending_error is not None:
+            e, self._pending_error = self._pending_error, None
+            if isinstance(e, Error):
+                raise e
+            raise Error(f"background checkpoint failed: {e}") from e
+
+    def stats(self) -> dict[str, Any]:
+        """Figures of the saves so far: count, the median blocking stall and persist
+        time in seconds, and the last save's figures."""
+        h = [x for x in self._history if x["ok"]]
+        if not h:
+            return {"saves": 0}
+        med = lambda k: float(np.median([x[k] for x in h]))  # noqa: E731
+        return {"saves": len(h), "median_stall_s": round(med("stall_s"), 4),
+                "median_persist_s": round(med("persist_s"), 4), "last": h[-1]}
+
+    def close(self) -> None:
+        """Waits for the save in flight, makes sure the newest save reached the durable
+        tier, and frees the shared memory (the memory tier ends with the manager)."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+            last = self._last
+            if last is not None and last.error is None and not last.durable:
+                last.durable = True
+                last.started = time.perf_counter()
+                self._inflight = last
+                last.thread = threading.Thread(target=self._flush, args=(last,), daemon=True)
+                last.thread.start()
+                self.wait()
+        finally:
+            self._closed = True
+            for addr, _ in self._registered.values():
+                try:
+                    torch.cuda.cudart().cudaHostUnregister(addr)
+                except Exception:  # noqa: BLE001 - best effort at shutdown
+                    pass
+            self._registered.clear()
+            self._pool.close()
+            if self._dist:
+                try:
+                    dist.barrier(group=self.pg)
+                except Exception:  # noqa: BLE001 - peers may be gone at shutdown
+                    pass
+            if self.is_coordinator or _local_rank() == 0:
+                # The memory tier ends with the manager: slot manifests and any
+                # leftovers of crashed processes go with it.
+                shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+    def _flush(self, rec: _Save) -> None:
+        """Persists a save that stayed in memory only (close() of a run whose newest
+        save was not durable)."""
+        try:
+            self._pool.acquire_slot(rec.slot, 0)
+            self._slot_held = rec.slot
+            self._persist_slower_tiers(rec)
+        except BaseException as e:  # noqa: BLE001 - raised by wait()
+            rec.error = e
+        finally:
+            self._release_slot()
+            rec.persist_s = time.perf_counter() - rec.started
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Error("CheckpointManager is closed")
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- restore ---------------------------------------------------------------------
+
+    def candidates(self) -> list[tuple[int, str, str]]:
+        """This rank's committed checkpoints, as (step, tier, uri), fastest tier first."""
+        out = []
+        if self.memory:
+            for step, uri in self._memory_checkpoints().values():
+                out.append((step, "memory", uri))
+        for name, tier in (("local", self.local), ("durable", self.root)):
+            if tier is None:
+                continue
+            try:
+                entries = _ext.list_checkpoints(tier)
+            except FileNotFoundError:
+                continue
+            for e in entries:
+                if e["committed"] and e["step"] is not None:
+                    out.append((e["step"], name, _join(tier, e["name"])))
+        return out
+
+    def restore(self, state: dict[str, Any]) -> int | None:
+        """Loads the newest step that every rank can load into `state`, from the
+        fastest tier holding it, falling back to slower tiers and older steps when a
+        checkpoint is missing or corrupt. Returns the step, or None when there is
+        nothing to restore. Raises cairn.CorruptionError when checkpoints exist but
+        none of them loads."""
+        self._check_open()
+        self.wait()
+        order = {"memory": 0, "local": 1, "durable": 2}
+        mine = self.candidates()
+        everyone = self._gather(sorted({(s, t) for s, t, _ in mine}))
+        common = set.intersection(*({s for s, _ in c} for c in everyone)) if everyone else set()
+        if not common:
+            return None
+        bad: set[tuple[int, str]] = set()
+        failures = []
+        for step in sorted(common, reverse=True):
+            while True:
+                options = sorted(((order[t], t, u) for s, t, u in mine
+                                  if s == step and (s, t) not in bad))
+                choice = options[0] if options else None
+                ok, reader, err = choice is not None, None, None
+                if choice is not None:
+                    try:
+                        reader = Reader(choice[2])
+                    except BaseException as e:  # noqa: BLE001 - agreed on below
+                        ok, err = False, e
+                verdicts = self._gather((ok, None if choice is None else choice[1]))
+                if not all(v[0] for v in verdicts):
+                    if choice is None:
+                        break  # some rank has no tier left for this step
+                    if not ok:
+                        bad.add((step, choice[1]))
+                        failures.append(f"step {step} ({choice[1]}): {err}")
+                    if any(v[1] is None for v in verdicts):
+                        break
+                    continue
+                try:
+                    self._load(state, reader)
+                    ok, err = True, None
+                except BaseException as e:  # noqa: BLE001
+                    ok, err = False, e
+                verdicts = self._gather(ok)
+                if all(verdicts):
+                    log.info("cairn: restored step %d from the %s tier", step, choice[1])
+                    self._restored = (step, choice[1])
+                    return step
+                bad.add((step, choice[1]))
+                failures.append(f"step {step} ({choice[1]}): {err or 'failed on another rank'}")
+        raise CorruptionError("no checkpoint could be restored: " + "; ".join(failures))
+
+    def _load(self, state: dict[str, Any], reader: Reader) -> None:
+        keys = set(reader.read_metadata().state_dict_metadata)
+        to_load = {}
+        for k, v in state.items():
+            if isinstance(v, RNGState) and not any(x.startswith(f"{k}.rank{v.rank}.")
+                                                   for x in keys):
+                v.load_state_dict({})  # documented: re-seeded deterministically
+                continue
+            to_load[k] = v
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(to_load, storage_reader=reader, process_group=self.pg)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
