@@ -95,8 +95,8 @@ class FaultInjector {
   FaultInjector(const FaultInjector&) = delete;
   FaultInjector& operator=(const FaultInjector&) = delete;
 
-  // Adds a rule and returns its id (for RemoveRule). Rules are checked in the
-  // order they were added; the first whose call count hits fires.
+  // Adds a rule and returns its id (for RemoveRule). Every rule matching a
+  // call counts it; if several fire on the same call, the first added wins.
   int AddRule(FaultRule rule);
   // Removes a rule; false if there is no such id.
   bool RemoveRule(int id);
@@ -183,8 +183,9 @@ class FaultInjectionStorage final : public Storage {
 // test registers its own.
 Status RegisterFaultInjector(const std::string& name, const std::string& base_uri,
                              std::shared_ptr<FaultInjector> injector);
-// Removes NAME; false if it was not registered.
-bool UnregisterFaultInjector(const std::string& name);
+// Removes NAME; false if it was not registered (or, when `only_if` is set,
+// if NAME now maps to another injector).
+bool UnregisterFaultInjector(const std::string& name, const FaultInjector* only_if = nullptr);
 // Opens a "fault://NAME/SUB" URI (what OpenStorage calls for that scheme).
 Result<std::unique_ptr<Storage>> OpenFaultStorage(std::string_view uri, bool create = true);
 

@@ -121,11 +121,13 @@ class StagingPool {
   // Acquires the free slot released longest ago with at least `min_bytes`
   // of capacity (growing it if needed). kResourceExhausted when every slot is
   // in use or shared memory is full.
-  Result<StagingSlot> Acquire(uint64_t min_bytes);
+  // `pool` (optional) spreads the one-time pre-faulting over threads. The
+  // pool's lock is held while a slot grows and pre-faults (once per size).
+  Result<StagingSlot> Acquire(uint64_t min_bytes, ThreadPool* pool = nullptr);
   // Acquires slot `index` specifically (e.g. to hold or restore a staged
   // checkpoint found after a restart; min_bytes 0 maps what the file has).
   // kFailedPrecondition if it is in use, kInvalidArgument if out of range.
-  Result<StagingSlot> AcquireSlot(size_t index, uint64_t min_bytes);
+  Result<StagingSlot> AcquireSlot(size_t index, uint64_t min_bytes, ThreadPool* pool = nullptr);
   // Returns slot `index` to the pool; its bytes and mapping stay.
   Status Release(size_t index);
 
@@ -163,7 +165,7 @@ class StagingPool {
  private:
   struct Slot;
   explicit StagingPool(StagingPoolOptions opts);
-  Result<StagingSlot> AcquireLocked(size_t index, uint64_t min_bytes);
+  Result<StagingSlot> AcquireLocked(size_t index, uint64_t min_bytes, ThreadPool* pool);
   Result<StagingSlot> SlotView(size_t index) const;
   Status RemoveFilesLocked();
   // The mapping of acquired slot `index`, or an error naming `what`.

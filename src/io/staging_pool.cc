@@ -131,7 +131,7 @@ Result<StagingSlot> StagingPool::SlotView(size_t index) const {
   return v;
 }
 
-Result<StagingSlot> StagingPool::AcquireLocked(size_t index, uint64_t min_bytes) {
+Result<StagingSlot> StagingPool::AcquireLocked(size_t index, uint64_t min_bytes, ThreadPool* pool) {
   Slot& s = *slots_[index];
   std::string key = SlotDirName(index) + "/" + opts_.file_key;
   std::string path = opts_.root_dir + "/" + key;
@@ -150,14 +150,14 @@ Result<StagingSlot> StagingPool::AcquireLocked(size_t index, uint64_t min_bytes)
     s.populated = false;
   }
   if (opts_.populate && !s.populated) {
-    CAIRN_RETURN_IF_ERROR(ctx(s.file->Populate()));
+    CAIRN_RETURN_IF_ERROR(ctx(s.file->Populate(pool)));
     s.populated = true;
   }
   s.in_use = true;
   return SlotView(index);
 }
 
-Result<StagingSlot> StagingPool::Acquire(uint64_t min_bytes) {
+Result<StagingSlot> StagingPool::Acquire(uint64_t min_bytes, ThreadPool* pool) {
   std::lock_guard<std::mutex> l(mu_);
   if (closed_) return FailedPreconditionError("staging pool is closed");
   size_t best = slots_.size();
@@ -170,10 +170,10 @@ Result<StagingSlot> StagingPool::Acquire(uint64_t min_bytes) {
                                   " staging slots are in use (release one, or open the pool "
                                   "with more slots)");
   }
-  return AcquireLocked(best, min_bytes);
+  return AcquireLocked(best, min_bytes, pool);
 }
 
-Result<StagingSlot> StagingPool::AcquireSlot(size_t index, uint64_t min_bytes) {
+Result<StagingSlot> StagingPool::AcquireSlot(size_t index, uint64_t min_bytes, ThreadPool* pool) {
   std::lock_guard<std::mutex> l(mu_);
   if (closed_) return FailedPreconditionError("staging pool is closed");
   if (index >= slots_.size()) {
@@ -183,7 +183,7 @@ Result<StagingSlot> StagingPool::AcquireSlot(size_t index, uint64_t min_bytes) {
   if (slots_[index]->in_use) {
     return FailedPreconditionError("staging slot " + std::to_string(index) + " is in use");
   }
-  return AcquireLocked(index, min_bytes);
+  return AcquireLocked(index, min_bytes, pool);
 }
 
 Status StagingPool::Release(size_t index) {

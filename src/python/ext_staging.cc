@@ -166,7 +166,7 @@ void RegisterStaging(nb::module_& m) {
             }
             Result<StagingSlot> r = [&] {
               nb::gil_scoped_release g;
-              return p.Acquire(nbytes);
+              return p.Acquire(nbytes, self.helpers());
             }();
             StagingSlot s = ValueOrThrow(std::move(r));
             return SlotDict(s);
@@ -181,7 +181,7 @@ void RegisterStaging(nb::module_& m) {
             CheckNoGrowthUnderViews(self, index, nbytes);
             Result<StagingSlot> r = [&] {
               nb::gil_scoped_release g;
-              return p.AcquireSlot(index, nbytes);
+              return p.AcquireSlot(index, nbytes, self.helpers());
             }();
             return SlotDict(ValueOrThrow(std::move(r)));
           },

@@ -33,7 +33,7 @@ struct PyFaultInjector {
 
   ~PyFaultInjector() { Unregister(); }
   void Unregister() {
-    if (!name.empty()) UnregisterFaultInjector(name);
+    if (!name.empty()) UnregisterFaultInjector(name, inj.get());
     name.clear();
   }
 };

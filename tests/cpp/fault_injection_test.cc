@@ -110,6 +110,15 @@ TEST_F(FaultInjectionTest, EveryOperationCanFailAndIsCounted) {
   EXPECT_TRUE(store_.Exists("d/f").ok());
 }
 
+TEST_F(FaultInjectionTest, EveryMatchingRuleCountsEveryCall) {
+  inj().AddRule({.op = FaultOp::kDelete, .nth = 1, .error = EIO});
+  inj().AddRule({.op = FaultOp::kDelete, .nth = 2, .error = EACCES});
+  ASSERT_TRUE(Write("a", "1").ok());
+  EXPECT_EQ(store_.DeleteFile("a").code(), StatusCode::kIOError);
+  EXPECT_EQ(store_.DeleteFile("a").code(), StatusCode::kPermissionDenied);
+  EXPECT_TRUE(store_.DeleteFile("a").ok());
+}
+
 TEST_F(FaultInjectionTest, RemovedRuleNoLongerFires) {
   int id = inj().AddRule({.op = FaultOp::kList, .count = 0});
   EXPECT_FALSE(store_.List("").ok());
@@ -195,7 +204,9 @@ TEST(FaultRegistryTest, FaultUriWrapsTheRegisteredBase) {
   // The root form and bad sub-keys.
   EXPECT_TRUE(OpenStorage("fault://regtest").ok());
   EXPECT_EQ(OpenStorage("fault://regtest/../etc").status().code(), StatusCode::kInvalidArgument);
-  EXPECT_TRUE(UnregisterFaultInjector("regtest"));
+  auto other = std::make_shared<FaultInjector>();
+  EXPECT_FALSE(UnregisterFaultInjector("regtest", other.get()));  // not its name
+  EXPECT_TRUE(UnregisterFaultInjector("regtest", inj.get()));
   EXPECT_EQ(OpenStorage("fault://regtest/x").status().code(), StatusCode::kNotFound);
   EXPECT_FALSE(RegisterFaultInjector("a/b", dir, inj).ok());
   EXPECT_FALSE(RegisterFaultInjector("m", "mem://", inj).ok());

@@ -170,9 +170,11 @@ TEST_F(StagingPoolTest, GrowingKeepsTheStagedBytes) {
   ASSERT_TRUE(slot.ok());
   std::memcpy(slot->data, "keep me", 8);
   ASSERT_TRUE(pool->Release(slot->index).ok());
-  slot = pool->Acquire(10 << 20);
+  ThreadPool threads(3);  // pre-faulting 150 MiB in parallel chunks
+  slot = pool->Acquire(150 << 20, &threads);
   ASSERT_TRUE(slot.ok());
-  EXPECT_GE(slot->capacity, 10u << 20);
+  EXPECT_GE(slot->capacity, 150u << 20);
+  slot->data[slot->capacity - 1] = 'z';  // the far end is mapped
   EXPECT_STREQ(slot->data, "keep me");
   EXPECT_EQ(fs::file_size(slot->path), slot->capacity);
 }

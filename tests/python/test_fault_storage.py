@@ -113,6 +113,17 @@ def test_unknown_operation_and_unregistered_name():
         _ext.open_storage(f"fault://{name}/x")
 
 
+def test_closing_a_replaced_injector_keeps_the_new_one(tmp_path):
+    name = f"t{uuid.uuid4().hex[:8]}"
+    old = _ext.FaultInjector(name, str(tmp_path))
+    new = _ext.FaultInjector(name, str(tmp_path))  # re-registers the name
+    new.add_rule("exists", errno=errno.EIO)
+    old.close()
+    with pytest.raises(errors.StorageError):
+        _ext.open_storage(f"fault://{name}").exists("x")
+    new.close()
+
+
 def test_invalid_keys_are_rejected(injector):
     inj, base = injector
     s = _ext.open_storage(inj.uri)

@@ -112,6 +112,8 @@ FaultInjector::Decision FaultInjector::OnCall(FaultOp op, std::string_view key,
   {
     std::lock_guard<std::mutex> l(mu_);
     delay = latency_[static_cast<int>(op)];
+    // Every matching rule counts the call; the first that fires decides.
+    bool fired = false;
     for (auto& r : rules_) {
       const FaultRule& rule = r.rule;
       if (rule.op != op) continue;
@@ -121,17 +123,17 @@ FaultInjector::Decision FaultInjector::OnCall(FaultOp op, std::string_view key,
       }
       uint64_t n = ++r.matched;
       bool fires = n >= rule.nth && (rule.count == 0 || n < rule.nth + rule.count);
-      if (!fires) continue;
+      if (!fires || fired) continue;
+      fired = true;
       if (rule.crash) {
         crash = true;
-        break;
+        continue;
       }
       std::string what = "injected fault: " + std::string(FaultOpName(op)) + " " +
                          std::string(key.empty() ? std::string_view("<root>") : key);
       d.status = ErrnoToStatus(rule.error, what);
       d.partial_bytes = rule.partial_bytes;
       injected_.fetch_add(1);
-      break;
     }
   }
   if (crash) {
@@ -352,9 +354,13 @@ Status RegisterFaultInjector(const std::string& name, const std::string& base_ur
   return Status::OK();
 }
 
-bool UnregisterFaultInjector(const std::string& name) {
+bool UnregisterFaultInjector(const std::string& name, const FaultInjector* only_if) {
   std::lock_guard<std::mutex> l(RegistryMu());
-  return Registry().erase(name) > 0;
+  auto it = Registry().find(name);
+  if (it == Registry().end()) return false;
+  if (only_if && it->second.injector.get() != only_if) return false;
+  Registry().erase(it);
+  return true;
 }
 
 Result<std::unique_ptr<Storage>> OpenFaultStorage(std::string_view uri, bool create) {

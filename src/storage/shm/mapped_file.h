@@ -14,6 +14,7 @@
 #include <string>
 
 #include "cairn/status.h"
+#include "cairn/thread_pool.h"
 
 namespace cairn::internal {
 
@@ -30,8 +31,9 @@ class MappedShmFile {
   // remaps it; the address may change. Existing bytes are kept.
   Status Grow(uint64_t min_bytes);
   // Maps every page into this process's page tables now (first write faults
-  // would otherwise land in the training thread's stall).
-  Status Populate();
+  // would otherwise land in the training thread's stall), in parallel on
+  // `pool` and the caller when given.
+  Status Populate(ThreadPool* pool = nullptr);
 
   char* data() const { return data_; }
   uint64_t size() const { return size_; }
