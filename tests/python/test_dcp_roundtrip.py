@@ -138,13 +138,24 @@ def test_loading_into_other_dtype_and_views(tmp_path):
     assert torch.equal(out["w"], sd["w"].double())
 
 
+def test_user_metadata_round_trips(tmp_path):
+    meta = {"step": 12, "tiers": ["memory", "disk"], "loss": 0.5}
+    dcp.save({"a": torch.ones(3)}, storage_writer=cairn.Writer(tmp_path / "c", user_metadata=meta))
+    assert cairn.Reader(tmp_path / "c").user_metadata == meta
+    with pytest.raises(TypeError):
+        cairn.Writer(tmp_path / "d", user_metadata={"x": object()})
+
+
 def test_overwriting_a_checkpoint_in_place(tmp_path):
     path = tmp_path / "c"
     dcp.save({"a": torch.ones(1000)}, storage_writer=cairn.Writer(path))
+    # A leftover file from an older, wider save is removed by the next save.
+    (path / "data" / "r7.bin").write_bytes(b"stale")
     dcp.save({"a": torch.full((1000,), 2.0)}, storage_writer=cairn.Writer(path))
     out = {"a": torch.zeros(1000)}
     dcp.load(out, storage_reader=cairn.Reader(path))
     assert torch.equal(out["a"], torch.full((1000,), 2.0))
+    assert not (path / "data" / "r7.bin").exists()
     cairn.verify(path)
 
 
