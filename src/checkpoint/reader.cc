@@ -391,7 +391,11 @@ Status CopyCheckpoint(Storage* src, std::string_view src_dir, Storage* dst,
   // One task per item block: read it piecewise into the thread's buffer,
   // hash it, write it. Padding is never copied: fresh files read as zeros.
   std::atomic<uint64_t> done{0};
-  const uint64_t total = m.TotalBytes();
+  uint64_t total = 0;  // item bytes: padding is not copied
+  for (const auto& t : m.tensors) {
+    for (const auto& c : t.chunks) total += c.location.length;
+  }
+  for (const auto& b : m.bytes) total += b.location.length;
   auto copy_block = [&](const ItemLocation& loc, uint64_t b, const std::string& name) -> Status {
     const ManifestFile& mf = m.files[loc.file];
     char* buf = internal::ThreadPieceBuffer();
