@@ -3,9 +3,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -320,6 +322,26 @@ TEST(ParallelCopyTest, MatchesASerialCopyWithAndWithoutAPool) {
     EXPECT_EQ(dst[6], 0);
   }
   EXPECT_EQ(ParallelCopy(nullptr, 0, {}, nullptr, 0).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(ParallelCopyTest, FinishesOnTheCallerWhenThePoolIsBusy) {
+  ThreadPool threads(1);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  threads.Submit([&] {  // occupies the only worker until the copy is done
+    std::unique_lock<std::mutex> l(mu);
+    cv.wait(l, [&] { return release; });
+  });
+  std::vector<char> src = Pattern(8 << 20, 9), dst(src.size());
+  CopySpan span{src.data(), 0, src.size()};
+  ASSERT_TRUE(ParallelCopy(dst.data(), dst.size(), {&span, 1}, &threads, 1 << 20).ok());
+  EXPECT_EQ(src, dst);
+  {
+    std::lock_guard<std::mutex> l(mu);
+    release = true;
+  }
+  cv.notify_all();
 }
 
 TEST(ChecksumTest, IsXxh3WithSeedZero) {

@@ -194,3 +194,30 @@ def test_two_ranks_share_a_directory(shm_dir):
     assert os.path.exists(s1["path"]) and not os.path.exists(s0["path"])
     r1.close()
     assert not os.path.exists(shm_dir)
+
+
+def _rank_worker(rank, root, barrier, rounds):
+    import torch as _torch
+
+    from cairn import _ext as ext
+
+    for i in range(rounds):
+        pool = ext.StagingPool(root, rank=rank, num_slots=2)
+        t = _torch.full((1 << 18,), float(rank + i))
+        for _ in range(2):
+            slot = pool.acquire(t.nbytes)
+            pool.copy_in(slot["index"], [(t.data_ptr(), 0, t.nbytes)])
+        barrier.wait()
+        pool.close()  # both ranks close at the same moment
+        barrier.wait()
+        assert not os.path.exists(root), f"round {i}: {os.listdir(root)}"
+        barrier.wait()  # before the next round re-creates it
+
+
+def test_ranks_closing_concurrently_leave_nothing(shm_dir):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    mp.spawn(_rank_worker, args=(shm_dir, barrier, 5), nprocs=2, join=True)
+    assert not os.path.exists(shm_dir)
