@@ -177,7 +177,7 @@ const Hostile kHostile[] = {
      "hex"},
     {"FileIndexOutOfRange", [](json& b) { b["bytes"][0]["file"] = 5; }, "file index"},
     {"OverlappingItems", [](json& b) { b["tensors"][0]["chunks"][1]["offset"] = 0; }, "overlap"},
-    {"FileShorterThanItems", [](json& b) { b["files"][0]["size"] = 100; }, "smaller than the end"},
+    {"FileShorterThanItems", [](json& b) { b["files"][0]["size"] = 100; }, "lie outside"},
     {"NegativeSize", [](json& b) { b["files"][0]["size"] = -1; }, "non-negative"},
     {"SizeIsAString", [](json& b) { b["files"][0]["size"] = "12"; }, "non-negative"},
     {"MissingField", [](json& b) { b["tensors"][0].erase("shape"); }, "missing"},
