@@ -91,7 +91,7 @@ void RegisterCache(nb::module_& m) {
           },
           nb::arg("key"), "Reads the whole file `key` from the source.");
 
-  nb::class_<PyFileCache>(m, "FileCache")
+  nb::class_<PyFileCache>(m, "FileCache", nb::is_weak_referenceable())
       .def(
           "__init__",
           [](PyFileCache* self, const std::string& source, const std::string& cache_dir,
@@ -186,6 +186,13 @@ void RegisterCache(nb::module_& m) {
              d["shared_evictions"] = s.shared_evictions;
              d["used_bytes"] = s.used_bytes;
              return d;
+           })
+      .def("abandon",
+           [](PyFileCache& self) {
+             // In a forked child: the engine's threads do not exist here, so
+             // it can be neither used nor destroyed. Leak it on purpose.
+             (void)self.cache.release();
+             (void)self.pool.release();
            })
       .def("close", [](PyFileCache& self) {
         std::unique_ptr<FileCache> c = std::move(self.cache);
