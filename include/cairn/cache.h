@@ -28,6 +28,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -120,8 +121,7 @@ class FileCache {
   // next epoch (used to rank eviction candidates: Belady's rule, evict the
   // file needed furthest in the future), and `positions` the indexes into
   // `order` that this process will Acquire, in that sequence. Prefetching of
-  // positions[0..] starts at once. Prefetched files of an earlier plan are
-  // released. On success returns OK; kInvalidArgument for an id or position
+  // positions[0..] starts at once. On success returns OK; kInvalidArgument for an id or position
   // out of range.
   Status SetPlan(std::vector<int64_t> order, std::vector<int64_t> next_order,
                  std::vector<int64_t> positions);
@@ -189,9 +189,9 @@ class FileCache {
     int refs = 0;
   };
   std::map<int64_t, Pin> pins_;
-  std::map<int64_t, int> prefetched_;  // id -> ready prefetch pins not yet consumed
-  std::map<int64_t, bool> inflight_;   // id -> is a prefetch (false = demand)
-  uint64_t window_bytes_ = 0;          // bytes prefetched-unconsumed + prefetching
+  std::set<int64_t> prefetched_;      // prefetched (cached, unpinned), not yet consumed
+  std::map<int64_t, bool> inflight_;  // id -> is a prefetch (false = demand)
+  uint64_t window_bytes_ = 0;         // bytes prefetched-unconsumed + prefetching
   size_t running_tasks_ = 0;
   bool closing_ = false;
   FileCacheStats stats_;

@@ -44,9 +44,11 @@
 //
 // Prefetching: the consumer declares its future (SetPlan) and moves a cursor
 // (Acquire). Up to prefetch_files / prefetch_bytes entries ahead of the
-// cursor are fetched on the pool; a prefetched file stays pinned until the
-// consumer takes it. A prefetch never evicts a file needed sooner than the
-// one it fetches, and skips files another process is already fetching.
+// cursor are fetched on the pool. A prefetched file is not pinned (only the
+// consumer's Acquire pins), so prefetches of many processes can never starve
+// a demand fetch; it is needed soon, so Belady evicts it last. A prefetch
+// never evicts a file needed sooner than the one it fetches, and skips files
+// another process is already fetching.
 //
 // Not durable across power loss: cached files are not fsync'ed (a cache);
 // a file whose size does not match after a crash is refetched.
@@ -408,16 +410,9 @@ Status FileCache::SetPlan(std::vector<int64_t> order, std::vector<int64_t> next_
   {
     std::lock_guard<std::mutex> l(mu_);
     ++generation_;
-    // Prefetched files of the old plan are no longer wanted: unpin them.
-    for (auto& [id, count] : prefetched_) {
-      window_bytes_ -= std::min(window_bytes_, files_[static_cast<size_t>(id)].size * count);
-      auto it = pins_.find(id);
-      if (it == pins_.end()) continue;
-      it->second.refs -= count;
-      if (it->second.refs <= 0) {
-        ::close(it->second.fd);
-        pins_.erase(it);
-      }
+    // Prefetched files of the old plan no longer count against the window.
+    for (int64_t id : prefetched_) {
+      window_bytes_ -= std::min(window_bytes_, files_[static_cast<size_t>(id)].size);
     }
     prefetched_.clear();
     pos_cur_ = std::move(pos_cur);
@@ -688,17 +683,21 @@ void FileCache::Pump() {
       {
         std::lock_guard<std::mutex> l2(mu_);
         inflight_.erase(id);
+        // A prefetched file is not kept pinned: under pressure, a demand
+        // fetch of another process may evict it (Belady makes that the last
+        // resort, as it is needed soon), and pinned prefetches of many
+        // processes could otherwise starve each other.
+        if (admitted) {
+          auto it = pins_.find(id);
+          if (it != pins_.end() && --it->second.refs <= 0) {
+            ::close(it->second.fd);
+            pins_.erase(it);
+          }
+        }
         if (s.ok() && admitted && gen == generation_ && !closing_) {
-          ++prefetched_[id];
+          prefetched_.insert(id);
         } else {
           window_bytes_ -= std::min(window_bytes_, size);
-          if (admitted) {
-            auto it = pins_.find(id);
-            if (it != pins_.end() && --it->second.refs <= 0) {
-              ::close(it->second.fd);
-              pins_.erase(it);
-            }
-          }
         }
         cv_.notify_all();
       }
@@ -713,40 +712,22 @@ void FileCache::Pump() {
 Result<std::string> FileCache::WaitFor(int64_t id, bool count_hit) {
   auto t0 = Clock::now();
   bool waited = false;
-  Status result;
+  uint64_t fetched_before;
   {
     std::unique_lock<std::mutex> l(mu_);
-    for (;;) {
-      auto it = prefetched_.find(id);
-      if (it != prefetched_.end()) {
-        // Hand the prefetch pin over to the consumer.
-        if (--it->second == 0) prefetched_.erase(it);
-        window_bytes_ -= std::min(window_bytes_, files_[static_cast<size_t>(id)].size);
-        if (count_hit) {
-          if (waited) {
-            ++stats_.misses;
-          } else {
-            ++stats_.hits;
-          }
-          stats_.wait_s += std::chrono::duration<double>(Clock::now() - t0).count();
-        }
-        l.unlock();
-        Pump();
-        return FinalPath(id);
-      }
-      if (!inflight_.count(id)) break;
+    while (inflight_.count(id)) {  // a prefetch (or another thread) is on it
       waited = true;
       cv_.wait(l);
     }
+    if (prefetched_.erase(id)) {
+      window_bytes_ -= std::min(window_bytes_, files_[static_cast<size_t>(id)].size);
+    }
     inflight_[id] = false;  // a demand fetch by this thread
-  }
-  bool admitted = false;
-  uint64_t fetched_before;
-  {
-    std::lock_guard<std::mutex> l(mu_);
     fetched_before = stats_.fetched_files;
   }
-  result = Fetch(id, /*demand=*/true, &admitted);
+  // Usually the file is cached by now and this only pins it.
+  bool admitted = false;
+  Status result = Fetch(id, /*demand=*/true, &admitted);
   {
     std::lock_guard<std::mutex> l(mu_);
     inflight_.erase(id);

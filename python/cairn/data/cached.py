@@ -26,6 +26,7 @@ import collections
 import os
 import shutil
 import tempfile
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -217,6 +218,18 @@ class CachedFileDataset(torch.utils.data.IterableDataset):
         positions = _partition.worker_positions(rank_pos, nw, wid, bs)
         next_order = _partition.epoch_order(n, self.seed, p["epoch"] + 1, self.shuffle)
         pin_window = max(1, self.pin_window or p["pin_window"])
+        # Every consumer of the node must be able to hold its pins plus the
+        # file it waits for, or all could wait for room forever.
+        fit = self.cache_limit // max(1, p["consumers"]) // max(1, max(self.sizes)) - 1
+        if fit < pin_window:
+            if fit < 1:
+                warnings.warn(
+                    f"cairn.data: cache_limit {self.cache_limit} is too small for "
+                    f"{p['consumers']} concurrent readers of files up to {max(self.sizes)} "
+                    "bytes; readers may wait for room",
+                    stacklevel=2,
+                )
+            pin_window = max(1, fit)
         eng = self.engine(p["consumers"])
         eng.set_plan(order, next_order, np.ascontiguousarray(positions, dtype=np.int64))
         return self._generate(eng, order, positions, pin_window)
