@@ -45,7 +45,8 @@ def _rank_main(rank, ws, tmp, src, nw_by_rank, epochs):
     out = {"epochs": [], "error": None}
     try:
         ds = cd.CachedFileDataset(src, cache_dir=f"{tmp}/cache", shuffle=True, seed=5)
-        dl = cd.DataLoader(ds, batch_size=2, num_workers=nw_by_rank[rank], collate_fn=identity)
+        dl = cd.DataLoader(ds, batch_size=2, num_workers=nw_by_rank[rank], collate_fn=identity,
+                           multiprocessing_context="fork")
         for e in range(epochs):
             dl.set_epoch(e)
             out["epochs"].append([rel(p) for b in dl for p in b])
