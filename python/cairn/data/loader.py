@@ -91,7 +91,9 @@ class _Iter:
             ld._epoch_done = True
             raise
         if isinstance(batch, _Tagged):
-            ld._slot_pos[batch.pos["slot"]] = [batch.pos["done"], batch.pos["offset"]]
+            slot = batch.pos["slot"]
+            ld._slot_pos[slot] = [batch.pos["done"], batch.pos["offset"]]
+            ld._next_worker = (slot // ld._iter_ws + 1) % ld._iter_nw
             batch = batch.batch
         ld._consumed = min(ld._end, ld._consumed + ld._step)
         return batch
@@ -137,6 +139,9 @@ class DataLoader(torch.utils.data.DataLoader):
         self._slot_pos: dict[int, list] = {}
         self._base_progress: list = []
         self._work: list = []
+        self._next_worker = 0
+        self._iter_ws = 1
+        self._iter_nw = 1
 
     # -- epoch and position -------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -186,6 +191,8 @@ class DataLoader(torch.utils.data.DataLoader):
         if self._is_shards:
             self._slots = ws * nw
             self._work, self._base_progress = self._cds.work_for(self._epoch, self._slots)
+            self._next_worker = self._cds.shift_for(self._epoch, self._slots, rank)
+            self._iter_ws, self._iter_nw = ws, nw
             self._slot_pos = {}
             self._end = 0
             self._step = 0
@@ -214,33 +221,39 @@ class DataLoader(torch.utils.data.DataLoader):
             return {**common, "epoch": self._epoch + 1, "consumed": 0}
         if not self._is_shards:
             return {**common, "epoch": self._epoch, "consumed": int(self._consumed)}
-        progress = self._gather_progress()
+        progress, shift = self._gather_progress()
         return {
             **common,
             "epoch": self._epoch,
             "consumed": 0,
             "work": self._work,
             "progress": progress,
+            "shift": shift,
         }
 
     def _gather_progress(self) -> list:
         if not self._work:  # not iterated yet in this epoch: keep what was loaded
             r = self._cds._resume
-            return [list(p) for p in r["progress"]] if r and r["epoch"] == self._epoch else []
+            if r and r["epoch"] == self._epoch:
+                return [list(p) for p in r["progress"]], list(r.get("shift") or [])
+            return [], []
         progress = [list(p) for p in self._base_progress]
         mine = dict(self._slot_pos)
         rank, ws = _partition.world()
+        shift = [0] * ws
+        shift[rank] = self._next_worker
         if ws > 1:
             import torch.distributed as dist
 
             if dist.is_available() and dist.is_initialized():
                 everyone: list = [None] * ws
-                dist.all_gather_object(everyone, mine)
-                for d in everyone:
+                dist.all_gather_object(everyone, (mine, self._next_worker))
+                for r, (d, nxt) in enumerate(everyone):
                     mine.update(d)
+                    shift[r] = nxt
         for s, p in mine.items():
             progress[int(s)] = list(p)
-        return progress
+        return progress, shift
 
     def load_state_dict(self, state: dict) -> None:
         """Restores a position saved by :meth:`state_dict` (possibly with another
@@ -262,7 +275,8 @@ class DataLoader(torch.utils.data.DataLoader):
             progress = state.get("progress") or []
             self._cds._resume = (
                 {"epoch": self._epoch, "work": [list(map(int, w)) for w in state["work"]],
-                 "progress": [list(map(int, p)) for p in progress]}
+                 "progress": [list(map(int, p)) for p in progress],
+                 "shift": [int(x) for x in state.get("shift") or []]}
                 if progress
                 else None
             )

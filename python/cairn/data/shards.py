@@ -14,7 +14,10 @@ samples drawn, so resuming replays the shard from its start with the same RNG
 and skips ``offset`` samples, which is exact without storing RNG bytes or
 buffer contents.
 
-Resuming with the same number of slots continues every slot exactly. With a
+Resuming with the same number of slots continues every slot exactly; the
+loader also records, per rank, which worker's batch comes next, and the
+resumed iteration rotates worker ids so that torch's round-robin (which
+always starts at worker 0) yields batches in the original order. With a
 different world size or number of workers the remaining work is re-dealt:
 items in progress first (each from where it stopped), then untouched ones, so
 no sample is lost or repeated (the interleaving differs).
@@ -108,6 +111,13 @@ class ShardDataset(torch.utils.data.IterableDataset):
         order = _partition.epoch_order(len(self.shards), self.seed, epoch, self.shuffle)
         return [[int(i), 0] for i in order], [[0, 0] for _ in range(num_slots)]
 
+    def shift_for(self, epoch: int, num_slots: int, rank: int) -> int:
+        r = self._resume
+        if r is None or r["epoch"] != epoch or len(r["progress"]) != num_slots:
+            return 0
+        shift = r.get("shift") or []
+        return int(shift[rank]) if rank < len(shift) else 0
+
     def _samples(self, shard_idx: int, epoch: int):
         it = iter(self.read_shard(self.shards[shard_idx]))
         k = self.shuffle_buffer
@@ -135,8 +145,10 @@ class ShardDataset(torch.utils.data.IterableDataset):
             rank, ws = _partition.world()
         wid, nw = _partition.worker()
         slots = ws * nw
-        slot = rank + ws * wid
         work, progress = self.work_for(epoch, slots)
+        # torch starts every iteration at worker 0; a resumed epoch must start
+        # at the worker whose batch came next, so worker ids are rotated.
+        slot = rank + ws * ((wid + self.shift_for(epoch, slots, rank)) % nw)
         return self._generate(work[slot::slots], progress[slot], slot, epoch)
 
     def _generate(self, mine: list, start: list, slot: int, epoch: int):
