@@ -192,7 +192,8 @@ class FileCache {
   std::set<int64_t> prefetched_;      // prefetched (cached, unpinned), not yet consumed
   std::map<int64_t, bool> inflight_;  // id -> is a prefetch (false = demand)
   uint64_t window_bytes_ = 0;         // bytes prefetched-unconsumed + prefetching
-  size_t running_tasks_ = 0;
+  size_t active_fetches_ = 0;         // prefetches fetching (bounded by the pool size)
+  size_t running_tasks_ = 0;          // prefetch closures alive (the destructor waits for 0)
   bool closing_ = false;
   FileCacheStats stats_;
 };

@@ -658,7 +658,7 @@ void FileCache::Pump() {
   std::lock_guard<std::mutex> l(mu_);
   if (closing_) return;
   if (next_prefetch_ < cursor_) next_prefetch_ = cursor_;
-  while (running_tasks_ < pool_->size() && next_prefetch_ < plan_.size() &&
+  while (active_fetches_ < pool_->size() && next_prefetch_ < plan_.size() &&
          next_prefetch_ < cursor_ + opts_.prefetch_files) {
     int64_t id = plan_[next_prefetch_];
     uint64_t size = files_[static_cast<size_t>(id)].size;
@@ -670,6 +670,7 @@ void FileCache::Pump() {
     ++next_prefetch_;
     inflight_[id] = true;
     window_bytes_ += size;
+    ++active_fetches_;
     ++running_tasks_;
     uint64_t gen = generation_;
     pool_->Submit([this, id, gen, size] {
@@ -699,6 +700,7 @@ void FileCache::Pump() {
         } else {
           window_bytes_ -= std::min(window_bytes_, size);
         }
+        --active_fetches_;  // frees the slot for the Pump() below
         cv_.notify_all();
       }
       Pump();

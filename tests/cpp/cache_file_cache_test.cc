@@ -39,7 +39,8 @@ class FileCacheTest : public ::testing::Test {
     }
   }
 
-  std::unique_ptr<FileCache> Open(uint64_t limit, double timeout = 5, size_t prefetch = 32) {
+  std::unique_ptr<FileCache> Open(uint64_t limit, double timeout = 5, size_t prefetch = 32,
+                                  ThreadPool* pool = nullptr) {
     auto src = OpenSourceStorage(src_);
     EXPECT_TRUE(src.ok()) << src.status().ToString();
     auto files = ListFiles(src->get());
@@ -49,7 +50,7 @@ class FileCacheTest : public ::testing::Test {
     o.limit_bytes = limit;
     o.wait_timeout_s = timeout;
     o.prefetch_files = prefetch;
-    auto c = FileCache::Open(std::move(*src), *files, &pool_, o);
+    auto c = FileCache::Open(std::move(*src), *files, pool ? pool : &pool_, o);
     EXPECT_TRUE(c.ok()) << c.status().ToString();
     return std::move(*c);
   }
@@ -181,7 +182,8 @@ TEST_F(FileCacheTest, PrefetchRunsAheadOfTheConsumer) {
 
 TEST_F(FileCacheTest, PrefetchNeverEvictsAFileNeededSooner) {
   MakeFiles(3, 1000);
-  auto c = Open(2000);
+  ThreadPool one(1);  // prefetches in plan order, one at a time
+  auto c = Open(2000, 5, 32, &one);
   std::vector<int64_t> order = {0, 1, 2};
   ASSERT_TRUE(c->SetPlan(order, order, order).ok());
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
