@@ -8,3 +8,4 @@ from cairn.errors import (
 )
 
 __version__ = "0.1.0"
+from cairn import data  # noqa: E402,F401 - cairn.data.CachedFileDataset etc.
