@@ -1,7 +1,204 @@
+// Bindings for the file cache (cairn.data): argument conversion only; every
+// call that can block (listing a slow source, fetching, waiting) releases the
+// GIL.
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "cairn/cache.h"
 #include "common.h"
 
-namespace cairn::python {
+namespace nb = nanobind;
 
-void RegisterCache(nanobind::module_& m) {}
+namespace cairn::python {
+namespace {
+
+using IdArray = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+std::vector<int64_t> ToVector(const IdArray& a) {
+  return std::vector<int64_t>(a.data(), a.data() + a.shape(0));
+}
+
+// Owns the pool the cache prefetches on. The cache is destroyed first
+// (member order), so no task outlives the pool.
+struct PyFileCache {
+  std::unique_ptr<ThreadPool> pool;
+  std::unique_ptr<FileCache> cache;
+};
+
+// Reads whole files from a source (possibly slow://), for code that bypasses
+// the cache (the stock-loader side of bench/data.py, tests).
+struct PySourceReader {
+  std::unique_ptr<Storage> source;
+};
+
+FileCache* Live(PyFileCache& self) {
+  if (!self.cache) ThrowIfError(FailedPreconditionError("the file cache is closed"));
+  return self.cache.get();
+}
+
+}  // namespace
+
+void RegisterCache(nb::module_& m) {
+  m.def(
+      "list_source",
+      [](const std::string& uri) {
+        Result<std::vector<SourceFile>> listed = InternalError("unset");
+        {
+          nb::gil_scoped_release nogil;
+          auto src = OpenSourceStorage(uri);
+          listed = src.ok() ? ListFiles(src->get()) : Result<std::vector<SourceFile>>(src.status());
+        }
+        std::vector<SourceFile> files = ValueOrThrow(std::move(listed));
+        std::vector<std::string> keys;
+        std::vector<uint64_t> sizes;
+        keys.reserve(files.size());
+        sizes.reserve(files.size());
+        for (auto& f : files) {
+          keys.push_back(std::move(f.key));
+          sizes.push_back(f.size);
+        }
+        return std::make_pair(keys, sizes);
+      },
+      nb::arg("uri"),
+      "Lists the files of a source (path, file://, slow://...) recursively: (keys, sizes).");
+
+  nb::class_<PySourceReader>(m, "SourceReader")
+      .def(
+          "__init__",
+          [](PySourceReader* self, const std::string& uri) {
+            new (self) PySourceReader{ValueOrThrow(OpenSourceStorage(uri))};
+          },
+          nb::arg("uri"))
+      .def(
+          "read",
+          [](PySourceReader& self, const std::string& key) {
+            std::string buf;
+            Status s;
+            {
+              nb::gil_scoped_release nogil;
+              auto f = self.source->NewReadableFile(key);
+              if (!f.ok()) {
+                s = f.status();
+              } else {
+                buf.resize((*f)->Size());
+                s = (*f)->ReadAt(0, buf.data(), buf.size());
+              }
+            }
+            ThrowIfError(s.WithContext("reading " + key + " from " + self.source->Describe()));
+            return nb::bytes(buf.data(), buf.size());
+          },
+          nb::arg("key"), "Reads the whole file `key` from the source.");
+
+  nb::class_<PyFileCache>(m, "FileCache", nb::is_weak_referenceable())
+      .def(
+          "__init__",
+          [](PyFileCache* self, const std::string& source, const std::string& cache_dir,
+             uint64_t limit, std::vector<std::string> keys, std::vector<uint64_t> sizes,
+             size_t threads, size_t prefetch_files, uint64_t prefetch_bytes, double timeout) {
+            if (keys.size() != sizes.size()) {
+              ThrowIfError(InvalidArgumentError("keys and sizes differ in length"));
+            }
+            std::vector<SourceFile> files(keys.size());
+            for (size_t i = 0; i < keys.size(); ++i) files[i] = {std::move(keys[i]), sizes[i]};
+            FileCacheOptions o;
+            o.cache_dir = cache_dir;
+            o.limit_bytes = limit;
+            o.prefetch_files = prefetch_files;
+            o.prefetch_bytes = prefetch_bytes;
+            o.wait_timeout_s = timeout;
+            Result<std::unique_ptr<FileCache>> c = InternalError("unset");
+            auto pool = std::make_unique<ThreadPool>(threads);
+            {
+              nb::gil_scoped_release nogil;
+              auto src = OpenSourceStorage(source);
+              if (src.ok()) {
+                c = FileCache::Open(std::move(*src), std::move(files), pool.get(), o);
+              } else {
+                c = src.status();
+              }
+            }
+            if (!c.ok()) RaiseStatus(c.status());
+            new (self) PyFileCache{std::move(pool), std::move(*c)};
+          },
+          nb::arg("source"), nb::arg("cache_dir"), nb::arg("limit"), nb::arg("keys"),
+          nb::arg("sizes"), nb::arg("threads") = 8, nb::arg("prefetch_files") = 32,
+          nb::arg("prefetch_bytes") = uint64_t{256} << 20, nb::arg("timeout") = 120.0)
+      .def(
+          "set_plan",
+          [](PyFileCache& self, IdArray order, IdArray next_order, IdArray positions) {
+            auto o = ToVector(order), n = ToVector(next_order), p = ToVector(positions);
+            Status s;
+            FileCache* c = Live(self);
+            {
+              nb::gil_scoped_release nogil;
+              s = c->SetPlan(std::move(o), std::move(n), std::move(p));
+            }
+            ThrowIfError(s);
+          },
+          nb::arg("order"), nb::arg("next_order"), nb::arg("positions"))
+      .def("plan_file", [](PyFileCache& self, size_t i) { return Live(self)->PlanFile(i); })
+      .def(
+          "acquire",
+          [](PyFileCache& self, size_t i) {
+            Result<std::string> r = InternalError("unset");
+            FileCache* c = Live(self);
+            {
+              nb::gil_scoped_release nogil;
+              r = c->Acquire(i);
+            }
+            return ValueOrThrow(std::move(r));
+          },
+          nb::arg("i"), "Waits for plan entry i; returns its local path (pinned).")
+      .def(
+          "acquire_file",
+          [](PyFileCache& self, int64_t id) {
+            Result<std::string> r = InternalError("unset");
+            FileCache* c = Live(self);
+            {
+              nb::gil_scoped_release nogil;
+              r = c->AcquireFile(id);
+            }
+            return ValueOrThrow(std::move(r));
+          },
+          nb::arg("id"))
+      .def(
+          "release", [](PyFileCache& self, int64_t id) { Live(self)->Release(id); }, nb::arg("id"))
+      .def_prop_ro("root", [](PyFileCache& self) { return Live(self)->root(); })
+      .def("stats",
+           [](PyFileCache& self) {
+             FileCacheStats s;
+             FileCache* c = Live(self);
+             {
+               nb::gil_scoped_release nogil;
+               s = c->Stats();
+             }
+             nb::dict d;
+             d["fetched_files"] = s.fetched_files;
+             d["fetched_bytes"] = s.fetched_bytes;
+             d["hits"] = s.hits;
+             d["misses"] = s.misses;
+             d["evictions"] = s.evictions;
+             d["wait_s"] = s.wait_s;
+             d["shared_fetched_files"] = s.shared_fetched_files;
+             d["shared_fetched_bytes"] = s.shared_fetched_bytes;
+             d["shared_evictions"] = s.shared_evictions;
+             d["used_bytes"] = s.used_bytes;
+             return d;
+           })
+      .def("abandon",
+           [](PyFileCache& self) {
+             // In a forked child: the engine's threads do not exist here, so
+             // it can be neither used nor destroyed. Leak it on purpose.
+             (void)self.cache.release();
+             (void)self.pool.release();
+           })
+      .def("close", [](PyFileCache& self) {
+        std::unique_ptr<FileCache> c = std::move(self.cache);
+        nb::gil_scoped_release nogil;
+        c.reset();
+      });
+}
 
 }  // namespace cairn::python
