@@ -66,8 +66,7 @@ def setup_distributed(mode: str) -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if mode == "none" or (mode == "auto" and world == 1):
         return 0, 1
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    cairn.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return dist.get_rank(), dist.get_world_size()
@@ -147,7 +146,7 @@ def main(argv=None) -> int:
 
     sample_log = open(args.sample_log, "a") if args.sample_log else None
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    epoch = loader.state_dict().get("epoch", 0) if hasattr(loader, "state_dict") else 0
+    epoch = loader.epoch
     it = iter(loader)
     t0 = time.perf_counter()
     while step < args.steps:

@@ -40,6 +40,7 @@ Every collective runs on a dedicated gloo group with a timeout; ``wait()`` has o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -141,6 +142,9 @@ class _StagingWriter(StorageWriter):
         # The slot may still hold an older memory-tier checkpoint: uncommit it before
         # a single byte of it changes.
         _ext.uncommit(mgr._slot_uri(self.slot))
+        if slot_index_pinned := mgr._registered.get(self.slot):
+            if slot_index_pinned[1] < used:  # growing may move the mapping: unpin first
+                mgr._unpin(self.slot)
         slot = mgr._pool.acquire_slot(self.slot, used)
         mgr._slot_held = self.slot
         spans, gpu = [], []
@@ -148,6 +152,8 @@ class _StagingWriter(StorageWriter):
             if nbytes == 0:
                 continue
             if isinstance(src, torch.Tensor) and src.device.type != "cpu":
+                gpu.append((src, off))
+            elif isinstance(src, torch.Tensor) and mgr._device_path_for_tests:
                 gpu.append((src, off))
             elif isinstance(src, torch.Tensor):
                 spans.append((src.data_ptr(), off, nbytes))
@@ -261,7 +267,10 @@ class CheckpointManager:
         self._saves = 0
         self._history: list[dict[str, Any]] = []
         self._slot_held: int | None = None
-        self._registered: dict[int, tuple[int, int]] = {}
+        self._registered: dict[int, tuple[int, int]] = {}  # slot -> pinned (address, size)
+        self._stream: Any = None  # the CUDA side stream of device-to-host staging
+        # Tests route CPU tensors through the device staging path (its CPU fallback).
+        self._device_path_for_tests = False
 
         # The checkpoint group: its own gloo group, so checkpoint collectives never
         # interleave with training collectives, each bounded by `timeout`.
@@ -285,12 +294,22 @@ class CheckpointManager:
         self.shm_name = f"cairn-{tag.hexdigest()[:16]}"
         self.shm_dir = _ext.shm_directory(self.shm_name)
         self.num_slots = memory_slots
-        self._pool = _ext.StagingPool(self.shm_dir, rank=self.rank, num_slots=self.num_slots,
-                                      threads=max(2, min(8, os.cpu_count() or 2)),
-                                      remove_on_close=True)
+        # The staging pool is opened at the first save, not here: a DataLoader
+        # forked before that would otherwise inherit the slot files' locks and
+        # could keep a restarted process out of its own slots.
+        self._pool_obj: Any = None
+        self._pool_threads = max(2, min(8, os.cpu_count() or 2))
         self._next_slot = self._agree(self._oldest_slot() if self.is_coordinator else 0)
 
     # ---- small helpers -----------------------------------------------------------
+
+    @property
+    def _pool(self) -> Any:
+        if self._pool_obj is None:
+            self._pool_obj = _ext.StagingPool(self.shm_dir, rank=self.rank,
+                                              num_slots=self.num_slots,
+                                              threads=self._pool_threads, remove_on_close=True)
+        return self._pool_obj
 
     @staticmethod
     def _tier_uri(path: str | os.PathLike, what: str) -> str:
@@ -515,19 +534,37 @@ class CheckpointManager:
             except Error as e:
                 log.warning("cairn: pruning %s/%s: %s", tier, name, e)
 
+    def _unpin(self, slot_index: int) -> None:
+        old = self._registered.pop(slot_index, None)
+        if old is not None:
+            torch.cuda.cudart().cudaHostUnregister(old[0])
+
     def _stage_device_tensors(self, slot_index: int, slot: dict, items: list) -> None:
-        """Device-to-host copies of GPU tensors into the slot, on a side stream, with
-        the slot registered as pinned memory so the copies run asynchronously."""
-        addr, cap = int(slot["address"]), int(slot["capacity"])
-        if torch.cuda.is_available() and self._registered.get(slot_index) != (addr, cap):
-            old = self._registered.pop(slot_index, None)
-            if old is not None:
-                torch.cuda.cudart().cudaHostUnregister(old[0])
-            torch.cuda.cudart().cudaHostRegister(addr, cap, 0)
-            self._registered[slot_index] = (addr, cap)
+        """Copies tensors that are not in host memory into the slot at their offsets.
+
+        On CUDA: device-to-host copies on a side stream that first waits for the work
+        already queued on the tensors' streams (the optimizer step), into the slot
+        registered as pinned memory so the copies run at full speed (write_data
+        unpinned the slot before it could grow and move). Any other device (and the
+        tests, with CPU tensors) goes through a plain ``copy_`` into the slot view."""
         buf = torch.from_numpy(self._pool.buffer(slot_index))
-        stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+        cuda = [src.device for src, _ in items if src.device.type == "cuda"]
+        stream = None
+        if cuda:
+            addr, cap = int(slot["address"]), int(slot["capacity"])
+            if self._registered.get(slot_index) != (addr, cap):
+                self._unpin(slot_index)
+                # cudaHostRegisterPortable (1): pinned for every CUDA context.
+                err = torch.cuda.cudart().cudaHostRegister(addr, cap, 1)
+                if int(err) != 0:
+                    raise Error(f"cudaHostRegister of the staging slot failed (error {int(err)})")
+                self._registered[slot_index] = (addr, cap)
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            stream = self._stream
+            for dev in set(cuda):
+                stream.wait_stream(torch.cuda.current_stream(dev))
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             for src, off in items:
                 nbytes = src.numel() * src.element_size()
@@ -589,13 +626,13 @@ class CheckpointManager:
                 self.wait()
         finally:
             self._closed = True
-            for addr, _ in self._registered.values():
+            for slot_index in list(self._registered):
                 try:
-                    torch.cuda.cudart().cudaHostUnregister(addr)
+                    self._unpin(slot_index)
                 except Exception:  # noqa: BLE001 - best effort at shutdown
                     pass
-            self._registered.clear()
-            self._pool.close()
+            if self._pool_obj is not None:
+                self._pool_obj.close()
             if self._dist:
                 try:
                     dist.barrier(group=self.pg)
@@ -714,9 +751,3 @@ class CheckpointManager:
             dcp.load(to_load, storage_reader=reader, process_group=self.pg)
 
 
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False

@@ -284,3 +284,31 @@ def test_memory_tier_of_another_run_is_ignored(tmp_path):
     with cairn.CheckpointManager(root) as fresh:
         assert fresh.restore(state) is None
     mgr._pool.close()
+
+
+def test_device_staging_path_cpu_fallback_round_trips(tmp_path):
+    """The device-to-host staging path (used for CUDA tensors) with CPU tensors: the
+    slot views it writes must hold exactly the tensors' bytes, including odd dtypes,
+    non-contiguous sources and zero-size tensors."""
+    root = str(tmp_path)
+    torch.manual_seed(3)
+    state = {
+        "a": torch.randn(37, 5),
+        "b": torch.arange(10, dtype=torch.int16),
+        "c": torch.randn(6, 4).t(),  # non-contiguous
+        "d": torch.zeros(0, 3),
+        "e": torch.randn(3).to(torch.bfloat16),
+    }
+    expected = {k: v.clone() for k, v in state.items()}
+    with cairn.CheckpointManager(root) as mgr:
+        mgr._device_path_for_tests = True
+        mgr.save(1, state)
+        for v in state.values():
+            v.zero_() if v.numel() else None
+        mgr.wait()
+    cairn.verify(os.path.join(root, "step_0000000001"))
+    loaded = {k: torch.empty_like(v) for k, v in expected.items()}
+    import torch.distributed.checkpoint as dcp
+    dcp.load(loaded, storage_reader=cairn.Reader(os.path.join(root, "step_0000000001")))
+    for k in expected:
+        assert torch.equal(loaded[k], expected[k]), k

@@ -123,6 +123,12 @@ class DataLoader(torch.utils.data.DataLoader):
             kwargs["collate_fn"] = _TaggingCollate(
                 kwargs.get("collate_fn") or torch.utils.data.default_collate
             )
+        if kwargs.get("generator") is None:
+            # torch draws the workers' base seed from this generator at every
+            # iter(); without one it draws from the global torch RNG, so merely
+            # re-creating the iterator after a restore would shift the training
+            # run's RNG stream (dropout...) and break bit-exact resume.
+            kwargs["generator"] = torch.Generator().manual_seed(0x5EED ^ int(getattr(cds, "seed", 0)))
         prefetch_factor = kwargs.get("prefetch_factor") or 2
         super().__init__(dataset, batch_size=batch_size, num_workers=num_workers, **kwargs)
         self._cds = cds
