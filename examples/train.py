@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cairn  # noqa: E402
+from cairn._chaos import point as chaos_point  # noqa: E402
 from gpt import GPT, cosine_lr, load_windows, make_corpus  # noqa: E402
 
 
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
         opt.step()
         sched.step()
         step += 1
+        chaos_point("train")  # the chaos harness may kill here (tests/chaos/)
         if sample_log:
             sample_log.write(f"{rank} {step} {' '.join(map(str, ids.tolist()))}\n")
             sample_log.flush()

@@ -64,12 +64,12 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from cairn import _ext
+from cairn import _chaos, _ext
 from cairn.dcp import Reader, _Location, _manifest_body
 from cairn.errors import CorruptionError, Error, InvalidArgumentError, TimeoutError
 from cairn.state import RNGState
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "memory_tier_name"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,14 @@ def _step_dir(step: int) -> str:
 
 def _join(uri: str, name: str) -> str:
     return uri.rstrip("/") + "/" + name
+
+
+def memory_tier_name(root: str) -> str:
+    """The shm:// name of the memory tier of the run checkpointing to `root` on this
+    node: derived from the root's real path, so a restarted process finds it."""
+    path = root[len("file://"):] if root.startswith("file://") else root
+    tag = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:16]
+    return f"cairn-{tag}"
 
 
 def _local_rank() -> int:
@@ -161,7 +169,10 @@ class _StagingWriter(StorageWriter):
                 spans.append((src.ctypes.data, off, nbytes))
         if gpu:
             mgr._stage_device_tensors(self.slot, slot, gpu)
-        mgr._pool.copy_in(self.slot, spans)
+        half = len(spans) // 2
+        mgr._pool.copy_in(self.slot, spans[:half])
+        _chaos.point("stage")  # the slot is uncommitted and half written
+        mgr._pool.copy_in(self.slot, spans[half:])
         # Alignment gaps and the slot's tail are padding, which a checkpoint keeps
         # zero (verify checks it); a reused slot may hold older bytes there.
         buf = mgr._pool.buffer(self.slot)
@@ -285,13 +296,13 @@ class CheckpointManager:
             self.pg = None
             self.rank, self.world = 0, 1
         self.is_coordinator = self.rank == 0
+        _chaos.arm()
 
         for uri in filter(None, (self.root, self.local)):
             if self.is_coordinator:
                 _ext.open_storage(uri, create=True)
         self.run_id = self._agree_run_id()
-        tag = hashlib.sha256(f"{os.path.realpath(self._local_path(self.root))}".encode())
-        self.shm_name = f"cairn-{tag.hexdigest()[:16]}"
+        self.shm_name = memory_tier_name(self.root)
         self.shm_dir = _ext.shm_directory(self.shm_name)
         self.num_slots = memory_slots
         # The staging pool is opened at the first save, not here: a DataLoader
@@ -486,6 +497,7 @@ class CheckpointManager:
                                            block_size=int(_ext.DEFAULT_BLOCK_SIZE))
         except BaseException as e:
             err = f"rank {self.rank}: writing {uri}: {e}"
+        _chaos.point("persist")  # data files written, manifest not yet
         outcome = self._gather({"err": err, "size": size})
         errors = [o["err"] for o in outcome if o["err"]]
         if errors:
@@ -493,7 +505,9 @@ class CheckpointManager:
                         % (rec.step, "; ".join(errors)))
         if self.is_coordinator:
             sized = [dict(o, tier_size=x["size"]) for o, x in zip(everyone, outcome)]
-            _ext.commit_manifest(uri, self._body(rec, sized, size_key="tier_size"))
+            body = self._body(rec, sized, size_key="tier_size")
+            _chaos.point("commit")  # every data file durable, no manifest yet
+            _ext.commit_manifest(uri, body)
             self._prune(tier, keep)
 
     def _body(self, rec: _Save, everyone: list[dict], size_key: str) -> str:
@@ -530,6 +544,7 @@ class CheckpointManager:
         for name in doomed:
             try:
                 _ext.uncommit(_join(tier, name))
+                _chaos.point("prune")  # uncommitted, data still there
                 st.delete_dir(name)
             except Error as e:
                 log.warning("cairn: pruning %s/%s: %s", tier, name, e)
