@@ -11,4 +11,5 @@ from cairn.errors import (
 
 __version__ = "0.1.0"
 from cairn.manager import CheckpointManager
+from cairn.stager import SharedMemoryStager
 from cairn.state import RNGState, TrainState, seed_everything
