@@ -286,6 +286,9 @@ class SharedMemoryStager(AsyncStager):
     def _acquire(self, index: int, nbytes: int) -> tuple[dict, torch.Tensor]:
         if self._pool.in_use(index):
             self._pool.release(index)
+        pinned = self._registered.get(index)
+        if pinned is not None and nbytes > pinned[1]:
+            self._unpin(index)  # growing moves the mapping: unregister it while it exists
         try:
             info = self._pool.acquire_slot(index, nbytes)
         except PreconditionError:
@@ -374,7 +377,7 @@ class SharedMemoryStager(AsyncStager):
         if self._registered.get(index) == (address, size):
             return True
         self._unpin(index)
-        rc = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+        rc = torch.cuda.cudart().cudaHostRegister(address, size, 1)  # cudaHostRegisterPortable
         if int(rc) != 0:
             warnings.warn(f"cairn: cudaHostRegister of a {size}-byte staging slot failed "
                           f"(error {int(rc)}); device-to-host copies will not be asynchronous",
@@ -387,7 +390,10 @@ class SharedMemoryStager(AsyncStager):
     def _unpin(self, index: int) -> None:
         old = self._registered.pop(index, None)
         if old is not None:
-            torch.cuda.cudart().cudaHostUnregister(old[0])
+            rc = torch.cuda.cudart().cudaHostUnregister(old[0])
+            if int(rc) != 0:
+                warnings.warn(f"cairn: cudaHostUnregister of a staging slot failed "
+                              f"(error {int(rc)})", RuntimeWarning, stacklevel=3)
 
     # ---- rebuilding the structure --------------------------------------------------
 
