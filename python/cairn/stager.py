@@ -58,7 +58,6 @@ import fcntl
 import gc
 import os
 import shutil
-import threading
 import uuid
 import warnings
 import weakref
@@ -193,7 +192,6 @@ class SharedMemoryStager(AsyncStager):
         self._stages = 0
         self._registered: dict[int, tuple[int, int]] = {}  # slot -> pinned (address, size)
         self._streams: dict[torch.device, Any] = {}
-        self._lock = threading.Lock()
         self._closed = False
         self.last_stage_bytes = 0
 
@@ -242,7 +240,8 @@ class SharedMemoryStager(AsyncStager):
                     s.awaiting_track = False
         for src, _, nbytes in leaves.values():
             if not nbytes:
-                views[id(src)] = torch.empty(src.shape, dtype=src.dtype)
+                views[id(src)] = torch.empty(src.shape, dtype=src.dtype,
+                                             requires_grad=src.requires_grad)
         self.last_stage_bytes = total
         return self._rebuild(state_dict, views, {})
 
