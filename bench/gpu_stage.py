@@ -95,6 +95,11 @@ def main() -> int:
     state = make_state(int(args.gb * 1e9), dev)
     names = list(state)
     payload = sum(t.nbytes for t in state.values())
+    shm = os.statvfs("/dev/shm")
+    if shm.f_bavail * shm.f_frsize < 2.2 * payload:  # the stager's two slots
+        print(f"gpu_stage: /dev/shm has {shm.f_bavail * shm.f_frsize / 1e9:.2f} GB free, "
+              f"{2.2 * payload / 1e9:.2f} GB needed; use a smaller --gb")
+        return 2
     tmp = tempfile.mkdtemp(prefix="cairn-gpu-stage-")
     results: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                      "tensors": len(state), "payload_bytes": payload, "reps": args.reps,
@@ -169,7 +174,8 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
     floor_s = statistics.median(floor_t)
-    rows = [("floor", "floor: D2H into pinned buffer", floor_t),
+    floor_name = "floor: D2H into pinned buffer" if dev == "cuda" else "floor: copy into buffer"
+    rows = [("floor", floor_name, floor_t),
             ("stager", "cairn SharedMemoryStager", stager_t),
             ("dcp_async_save", "dcp.async_save default stager", dcp_t),
             ("manager", "CheckpointManager.save", mgr_t)]

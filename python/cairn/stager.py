@@ -104,6 +104,8 @@ def _remove_stale(parent: str) -> None:
         except (ValueError, PermissionError, OSError):
             continue
         path = os.path.join(parent, name)
+        if os.path.islink(path) or not os.path.isdir(path):
+            continue
         if all(_unlocked(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files):
             shutil.rmtree(path, ignore_errors=True)
 
