@@ -14,6 +14,7 @@ from cairn.errors import (
 from cairn.checkpoint import latest_valid, list_checkpoints, verify
 from cairn.dcp import Reader, Writer
 from cairn.manager import CheckpointManager
+from cairn.stager import SharedMemoryStager
 from cairn.distributed import init_distributed
 from cairn.state import RNGState, TrainState, seed_everything
 from cairn import data  # noqa: F401 - cairn.data.CachedFileDataset, DataLoader, ShardDataset
