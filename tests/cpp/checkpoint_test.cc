@@ -195,15 +195,58 @@ TEST_P(CheckpointTest, DamagedManifestIsDataLoss) {
   EXPECT_EQ(Verify(fs_.get(), "ck", &pool_).code(), StatusCode::kDataLoss);
 }
 
-TEST_P(CheckpointTest, ReadRejectsWrongDestinationSize) {
+TEST_P(CheckpointTest, ReadRejectsRangesOutsideTheItem) {
   ASSERT_TRUE(Save("ck").ok());
   auto reader = CheckpointReader::Open(fs_.get(), "ck");
   ASSERT_TRUE(reader.ok());
-  std::vector<char> buf(8);
+  std::vector<char> buf(48);  // "b" has 40 bytes
   ReadRequest r{{ItemRef::Kind::kTensorChunk, 1, 0}, buf.data(), buf.size()};
   EXPECT_EQ((*reader)->Read({r}, &pool_).code(), StatusCode::kInvalidArgument);
+  r.size = 0;
+  r.offset = 41;
+  EXPECT_EQ((*reader)->Read({r}, &pool_).code(), StatusCode::kInvalidArgument);
+  r.size = 8;
+  r.offset = 0;
   r.item.index = 99;
   EXPECT_EQ((*reader)->Read({r}, &pool_).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_P(CheckpointTest, ReadsByteRangesOfAnItem) {
+  ASSERT_TRUE(Save("ck").ok());
+  auto reader = CheckpointReader::Open(fs_.get(), "ck");
+  ASSERT_TRUE(reader.ok());
+  const char* src = reinterpret_cast<const char*>(a_.data());
+  const uint64_t len = a_.size() * 4;
+  // Inside one block, across blocks, exactly one block, the unaligned tail.
+  for (auto [off, n] : std::vector<std::pair<uint64_t, uint64_t>>{
+           {100, 10}, {100, 5000}, {4096, 4096}, {3 * 4096, len - 3 * 4096}, {0, len}}) {
+    std::vector<char> buf(n);
+    ReadRequest r{{ItemRef::Kind::kTensorChunk, 0, 0}, buf.data(), n, off};
+    Status s = (*reader)->Read({r}, &pool_);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(std::memcmp(buf.data(), src + off, n), 0) << off << "+" << n;
+  }
+  std::vector<char> buf(8);
+  ReadRequest past{{ItemRef::Kind::kTensorChunk, 0, 0}, buf.data(), 8, len - 4};
+  EXPECT_EQ((*reader)->Read({past}, &pool_).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_P(CheckpointTest, RangeReadsVerifyEveryBlockTheyTouch) {
+  ASSERT_TRUE(Save("ck").ok());
+  std::string data = ReadAll(fs_.get(), "ck/data/r0.bin");
+  data[4096 + 7] ^= 1;  // block 1 of "w"
+  WriteAll(fs_.get(), "ck/data/r0.bin", data);
+  auto reader = CheckpointReader::Open(fs_.get(), "ck");
+  ASSERT_TRUE(reader.ok());
+  std::vector<char> buf(8);
+  // A range that touches only the damaged block's tail still fails...
+  ReadRequest r{{ItemRef::Kind::kTensorChunk, 0, 0}, buf.data(), 8, 2 * 4096 - 8};
+  Status s = (*reader)->Read({r}, &pool_);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("block 1 of tensor 'w'"), std::string::npos) << s.ToString();
+  // ...and one that avoids it succeeds.
+  r.offset = 2 * 4096;
+  EXPECT_TRUE((*reader)->Read({r}, &pool_).ok());
 }
 
 TEST_P(CheckpointTest, RewritingADirectoryUncommitsItFirst) {
