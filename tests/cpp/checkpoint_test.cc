@@ -375,6 +375,66 @@ TEST_P(CheckpointTest, LargeBuffersRoundTripWithDefaultBlocks) {
 INSTANTIATE_TEST_SUITE_P(Backends, CheckpointTest, ::testing::Values("mem", "posix"),
                          [](const auto& info) { return info.param; });
 
+// A mem storage whose files below `full_prefix` hit "disk full" when space
+// is allocated or written (test-local: the shared fault-injection wrapper
+// covers the general case).
+class FullDiskStorage final : public Storage {
+ public:
+  explicit FullDiskStorage(std::string full_prefix)
+      : base_(NewMemStorage()), prefix_(std::move(full_prefix)) {}
+
+  class FullFile final : public WritableFile {
+   public:
+    Status WriteAt(uint64_t, const void*, size_t) override { return Full(); }
+    Status Allocate(uint64_t) override { return Full(); }
+    Status Sync() override { return Status::OK(); }
+    Status Close() override { return Status::OK(); }
+    static Status Full() { return ErrnoToStatus(ENOSPC, "write"); }
+  };
+
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(std::string_view key,
+                                                        const WriteOptions& o) override {
+    if (key.substr(0, prefix_.size()) == prefix_) {
+      CAIRN_RETURN_IF_ERROR(ValidateKey(key));
+      return std::unique_ptr<WritableFile>(new FullFile());
+    }
+    return base_->NewWritableFile(key, o);
+  }
+  Result<std::unique_ptr<ReadableFile>> NewReadableFile(std::string_view key,
+                                                        const ReadOptions& o) override {
+    return base_->NewReadableFile(key, o);
+  }
+  Status Rename(std::string_view a, std::string_view b) override { return base_->Rename(a, b); }
+  Status SyncDir(std::string_view d) override { return base_->SyncDir(d); }
+  Status CreateDir(std::string_view d) override { return base_->CreateDir(d); }
+  Status DeleteFile(std::string_view k) override { return base_->DeleteFile(k); }
+  Status DeleteDir(std::string_view d) override { return base_->DeleteDir(d); }
+  Result<std::vector<DirEntry>> List(std::string_view d) override { return base_->List(d); }
+  Result<bool> Exists(std::string_view k) override { return base_->Exists(k); }
+  Result<uint64_t> FileSize(std::string_view k) override { return base_->FileSize(k); }
+  std::string Describe() const override { return "full://"; }
+
+ private:
+  std::unique_ptr<Storage> base_;
+  std::string prefix_;
+};
+
+TEST(CheckpointWriterTest, DiskFullFailsCleanlyAndKeepsEarlierCheckpoints) {
+  FullDiskStorage fs("run/step_2/");
+  ThreadPool pool(2);
+  std::vector<float> x(1000, 1.0f);
+  ASSERT_TRUE(SaveBuffers(&fs, "run/step_1", {{"x", "float32", {1000}, x.data()}}, &pool).ok());
+  Status s = SaveBuffers(&fs, "run/step_2", {{"x", "float32", {1000}, x.data()}}, &pool);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("writing full://: run/step_2/data/r0.bin"), std::string::npos)
+      << s.ToString();
+  EXPECT_EQ(ReadManifest(&fs, "run/step_2").status().code(), StatusCode::kNotFound);
+  auto latest = LatestValid(&fs, "run");
+  ASSERT_TRUE(latest.ok());
+  EXPECT_EQ(latest->value_or(""), "step_1");
+  EXPECT_TRUE(Verify(&fs, "run/step_1", &pool).ok());
+}
+
 TEST(CheckpointDiscoveryTest, ParseStep) {
   EXPECT_EQ(ParseStep("step_0"), 0u);
   EXPECT_EQ(ParseStep("step_1234"), 1234u);
