@@ -6,7 +6,9 @@
 // a Storage's root; "" is the root itself) laid out as in format.h. Every
 // function here is thread-compatible: it may run concurrently with other
 // calls on different checkpoints; it uses the ThreadPool it is given for its
-// parallel I/O and never keeps a reference to it after returning.
+// parallel I/O, waits for its tasks, and never keeps a reference to the pool
+// after returning. Do not call these functions from a thread of that same
+// pool: the caller blocks while the pool's threads do the work.
 //
 // Durability contract: a checkpoint is committed if and only if its manifest
 // exists. CommitManifest() writes the manifest last, after the data files are
