@@ -245,6 +245,13 @@ class Writer(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         _uri(self.path)
+        if kwargs.get("use_collectives") is False:
+            # Without coordination every rank would name its file r0.bin and
+            # commit a manifest of its own items: refuse rather than corrupt.
+            raise InvalidArgumentError(
+                "cairn.Writer needs dcp.save(..., use_collectives=True): a cairn checkpoint "
+                "has one manifest for all ranks"
+            )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan

@@ -255,3 +255,9 @@ def test_byte_range_of_read_regions():
     assert cdcp._byte_range((), (), (), 8) == (0, 8)
     with pytest.raises(ValueError):
         cdcp._byte_range((3, 0), (2, 5), (4, 5), 4)
+
+
+def test_uncoordinated_save_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="use_collectives"):
+        dcp.save({"a": torch.ones(2)}, storage_writer=cairn.Writer(tmp_path / "c"), use_collectives=False)
+    assert cairn.latest_valid(tmp_path) is None
