@@ -17,7 +17,7 @@ def _root_uri(path: str | os.PathLike) -> str:
 
 
 def _default_pool() -> _ext.ThreadPool:
-    return _ext.ThreadPool(max(4, min(16, os.cpu_count() or 4)))
+    return _ext.ThreadPool(max(16, min(32, 2 * (os.cpu_count() or 1))))
 
 
 def latest_valid(root: str | os.PathLike) -> str | None:

@@ -102,7 +102,9 @@ def _local_path(uri: str) -> str | None:
 
 
 def _default_threads() -> int:
-    return max(4, min(16, os.cpu_count() or 4))
+    # I/O threads mostly wait on the device; more requests in flight keep it
+    # busy (16 measured ~1.2x faster than 4 on a 2-core VM with virtio disk).
+    return max(16, min(32, 2 * (os.cpu_count() or 1)))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -202,7 +204,7 @@ class Writer(StorageWriter):
     Args:
         path: checkpoint directory, ``file://DIR`` or ``shm://NAME``. May be
             omitted when ``dcp.save`` is given ``checkpoint_id``.
-        thread_count: I/O threads per rank (default: between 4 and 16).
+        thread_count: I/O threads per rank (default: 16 to 32).
         direct_io: write with O_DIRECT where the filesystem allows it.
         sync: fsync data files and the manifest (turn off only for tiers that
             need no durability, e.g. shared memory).
@@ -457,7 +459,7 @@ class Reader(StorageReader):
     Args:
         path: checkpoint directory, ``file://DIR`` or ``shm://NAME``. May be
             omitted when ``dcp.load`` is given ``checkpoint_id``.
-        thread_count: I/O threads (default: between 4 and 16).
+        thread_count: I/O threads (default: 16 to 32).
 
     Raises (from the constructor or ``reset``): :class:`cairn.NotFoundError`
     when there is no committed checkpoint at ``path``;
