@@ -268,3 +268,14 @@ def test_uncoordinated_save_is_refused(tmp_path):
             use_collectives=False,
         )
     assert cairn.latest_valid(tmp_path) is None
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_unstorable_dtype_is_refused_before_writing(tmp_path):
+    # Quantized tensors are among the few that DCP plans but cairn cannot store.
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with pytest.raises(BaseException) as info:
+        dcp.save({"q": q}, storage_writer=cairn.Writer(tmp_path / "c"))
+    err = rank_error(info.value)
+    assert isinstance(err, ValueError) and "qint8" in str(err), err
+    assert cairn.latest_valid(tmp_path) is None
