@@ -517,6 +517,11 @@ class Reader(StorageReader):
         user = body.get("extra", {}).get("user", {})
         self._user_metadata = user if isinstance(user, dict) else {}
 
+    def close(self) -> None:
+        """Releases the open data files (the reader reopens on next use)."""
+        self._reader = None
+        self._metadata = None
+
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.load_id = uuid.uuid4().hex
         if checkpoint_id is not None:

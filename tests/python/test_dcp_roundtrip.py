@@ -100,6 +100,10 @@ def test_checkpoint_id_and_reuse_of_writer_and_reader(tmp_path):
         dcp.load(out, checkpoint_id=tmp_path / f"step_{step}", storage_reader=reader)
         assert out["n"] == step
         assert torch.equal(out["a"], torch.arange(10.0) + step)
+    reader.close()  # releases the files; the next use reopens
+    out = {"a": torch.zeros(10), "n": 0}
+    dcp.load(out, storage_reader=reader)
+    assert out["n"] == 2
     assert cairn.latest_valid(tmp_path) == f"{tmp_path}/step_2"
 
 
