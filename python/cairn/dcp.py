@@ -73,10 +73,33 @@ except ImportError:  # pragma: no cover - depends on the build
         return False
 
 
-__all__ = ["Writer", "Reader"]
+__all__ = ["Writer", "Reader", "unwrap"]
 
 
 # ---- helpers ----------------------------------------------------------------
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The error a rank raised inside a DCP collective step.
+
+    DCP reports every storage error of ``dcp.save``/``dcp.load`` steps as a
+    ``CheckpointException`` holding each failing rank's exception. This returns
+    the lowest failing rank's exception (e.g. a :class:`cairn.CorruptionError`
+    naming the file and tensor), or ``exc`` itself when it is not a
+    ``CheckpointException``::
+
+        try:
+            dcp.load(state, storage_reader=cairn.Reader(path))
+        except BaseException as e:
+            if isinstance(cairn.dcp.unwrap(e), cairn.CorruptionError): ...
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException) and exc.failures:
+        first = exc.failures[min(exc.failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return exc
+
 
 
 def _uri(path: str | os.PathLike | None) -> str:

@@ -74,6 +74,16 @@ def test_flipped_data_byte_names_file_and_tensor(ckpt):
         cairn.verify(ckpt)
 
 
+def test_unwrap_returns_the_rank_error(ckpt):
+    flip(ckpt / "data" / "r0.bin", item_offset(ckpt, "model.w") + 100)
+    with pytest.raises(BaseException) as info:
+        dcp.load({"model.w": torch.zeros(256, 64)}, storage_reader=cairn.Reader(ckpt))
+    err = cairn.dcp.unwrap(info.value)
+    assert isinstance(err, cairn.CorruptionError) and "tensor 'model.w'" in str(err)
+    plain = ValueError("x")
+    assert cairn.dcp.unwrap(plain) is plain
+
+
 def test_truncated_data_file_names_file_and_tensor(ckpt):
     data = ckpt / "data" / "r0.bin"
     os.truncate(data, os.path.getsize(data) - 100)
