@@ -256,6 +256,7 @@ class Writer(StorageWriter):
         self.block_size = block_size
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
+        self.rank = 0
         self._pool: _ext.ThreadPool | None = None
 
     @property
@@ -270,6 +271,10 @@ class Writer(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         _uri(self.path)
+        rank = kwargs.get("rank")
+        if rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank()
+        self.rank = int(rank or 0)
         if kwargs.get("use_collectives") is False:
             # Without coordination every rank would name its file r0.bin and
             # commit a manifest of its own items: refuse rather than corrupt.
@@ -301,7 +306,10 @@ class Writer(StorageWriter):
         if not plan.items:
             fut.set_result([])
             return fut
-        key = plan.storage_data.key if isinstance(plan.storage_data, _RankFile) else "data/r0.bin"
+        if isinstance(plan.storage_data, _RankFile):
+            key = plan.storage_data.key
+        else:  # a planner that dropped our storage_data: fall back to the rank
+            key = f"data/r{self.rank}.bin"
         keep_alive: list[Any] = []
         buffers: list[tuple[int, int]] = []
         for item in plan.items:
