@@ -222,8 +222,10 @@ def test_latest_valid_and_list(tmp_path):
         ("step_40", True),
         ("step_300", False),
     ]
+    # The first run of a job has no checkpoint root yet: nothing to resume.
+    assert cairn.latest_valid(tmp_path / "missing") is None
     with pytest.raises(FileNotFoundError):
-        cairn.latest_valid(tmp_path / "missing")
+        cairn.list_checkpoints(tmp_path / "missing")
 
 
 def test_stock_checkpoints_are_delegated(tmp_path, monkeypatch):
