@@ -50,8 +50,8 @@ def verify(path: str | os.PathLike) -> None:
 
     Returns None when it is intact. Raises :class:`cairn.CorruptionError`
     naming the file and tensor on any damage (flipped byte, truncated or
-    missing file, damaged manifest) and :class:`cairn.NotFoundError` when
-    there is no committed checkpoint at ``path``.
+    missing file, damaged or missing manifest) and :class:`cairn.NotFoundError`
+    when ``path`` does not exist.
     """
     _ext.verify(_root_uri(path), _default_pool())
 

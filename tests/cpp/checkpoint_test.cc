@@ -116,6 +116,9 @@ TEST_P(CheckpointTest, NoManifestIsNotFound) {
   r = CheckpointReader::Open(fs_.get(), "partial");
   EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
   EXPECT_NE(r.status().message().find("partial"), std::string::npos);
+  // Verify is stricter: an existing directory without a manifest is not intact.
+  EXPECT_EQ(Verify(fs_.get(), "partial", &pool_).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(Verify(fs_.get(), "nothing", &pool_).code(), StatusCode::kNotFound);
 }
 
 TEST_P(CheckpointTest, FlippedDataByteIsDataLossNamingFileAndTensor) {

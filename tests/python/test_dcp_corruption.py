@@ -114,6 +114,14 @@ def test_damaged_manifest_is_corruption(ckpt, where):
         cairn.verify(ckpt)
 
 
+def test_deleted_manifest_fails_verify(ckpt):
+    os.remove(ckpt / "cairn.manifest")
+    with pytest.raises(cairn.CorruptionError, match="partial"):
+        cairn.verify(ckpt)
+    with pytest.raises(FileNotFoundError):  # nothing committed to load
+        cairn.Reader(ckpt)
+
+
 def test_truncated_manifest_is_corruption(ckpt):
     path = ckpt / "cairn.manifest"
     os.truncate(path, os.path.getsize(path) // 2)

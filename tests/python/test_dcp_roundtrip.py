@@ -190,6 +190,8 @@ def test_missing_checkpoint_is_file_not_found(tmp_path):
         cairn.Reader(tmp_path / "partial")
     with pytest.raises(FileNotFoundError):
         cairn.verify(tmp_path / "nope")
+    with pytest.raises(cairn.CorruptionError, match="partial"):
+        cairn.verify(tmp_path / "partial")
 
 
 def test_manifest_is_not_pickle_and_documents_the_state(tmp_path):
