@@ -77,7 +77,9 @@ class Progress {
   bool printed_ = false;
 };
 
-size_t DefaultThreads() { return std::clamp<size_t>(std::thread::hardware_concurrency(), 4, 16); }
+size_t DefaultThreads() {
+  return std::clamp<size_t>(2 * std::thread::hardware_concurrency(), 16, 32);
+}
 
 int CmdLs(const std::string& root) {
   auto storage = cairn::OpenStorage(root, /*create=*/false);

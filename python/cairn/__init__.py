@@ -5,18 +5,41 @@ Three depths of use: ``cairn.Writer``/``cairn.Reader`` as DCP storage backends;
 ``cairn.data`` for a cached, partitioned, resumable data pipeline.
 """
 
+from cairn.checkpoint import copy_checkpoint, latest_valid, list_checkpoints, verify
 from cairn.errors import (
     CorruptionError,
     Error,
     InvalidArgumentError,
     NotFoundError,
 )
-from cairn.checkpoint import latest_valid, list_checkpoints, verify
-from cairn.dcp import Reader, Writer
-from cairn.manager import CheckpointManager
-from cairn.stager import SharedMemoryStager
-from cairn.distributed import init_distributed
-from cairn.state import RNGState, TrainState, seed_everything
-from cairn import data  # noqa: F401 - cairn.data.CachedFileDataset, DataLoader, ShardDataset
 
 __version__ = "0.1.0"
+
+# Everything that imports torch loads on first use, so `import cairn` stays cheap
+# for data workers and tools.
+_LAZY = {
+    "Writer": "cairn.dcp",
+    "Reader": "cairn.dcp",
+    "dcp": "cairn.dcp",
+    "CheckpointManager": "cairn.manager",
+    "SharedMemoryStager": "cairn.stager",
+    "init_distributed": "cairn.distributed",
+    "RNGState": "cairn.state",
+    "TrainState": "cairn.state",
+    "seed_everything": "cairn.state",
+    "data": "cairn.data",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cairn' has no attribute {name!r}")
+    import importlib
+
+    mod = importlib.import_module(module)
+    return mod if name in ("dcp", "data") else getattr(mod, name)
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 from cairn import _ext
+from cairn.errors import NotFoundError
 
-__all__ = ["latest_valid", "verify", "list_checkpoints"]
+__all__ = ["latest_valid", "verify", "list_checkpoints", "copy_checkpoint"]
 
 
 def _root_uri(path: str | os.PathLike) -> str:
@@ -17,7 +18,7 @@ def _root_uri(path: str | os.PathLike) -> str:
 
 
 def _default_pool() -> _ext.ThreadPool:
-    return _ext.ThreadPool(max(4, min(16, os.cpu_count() or 4)))
+    return _ext.ThreadPool(max(16, min(32, 2 * (os.cpu_count() or 1))))
 
 
 def latest_valid(root: str | os.PathLike) -> str | None:
@@ -26,10 +27,13 @@ def latest_valid(root: str | os.PathLike) -> str | None:
     Partial checkpoints (no manifest, or a damaged one) are skipped; data files
     are not read (use :func:`verify`). Directories named ``step_<N>`` order by
     N and count as newer than any other name; others order by the manifest's
-    creation time. Raises :class:`cairn.NotFoundError` if ``root`` does not exist.
+    creation time. A ``root`` that does not exist (yet) has none: None.
     """
     uri = _root_uri(root)
-    name = _ext.latest_valid(uri)
+    try:
+        name = _ext.latest_valid(uri)
+    except NotFoundError:
+        return None
     if name is None:
         return None
     return uri.rstrip("/") + "/" + name
@@ -46,7 +50,37 @@ def verify(path: str | os.PathLike) -> None:
 
     Returns None when it is intact. Raises :class:`cairn.CorruptionError`
     naming the file and tensor on any damage (flipped byte, truncated or
-    missing file, damaged manifest) and :class:`cairn.NotFoundError` when
-    there is no committed checkpoint at ``path``.
+    missing file, damaged or missing manifest) and :class:`cairn.NotFoundError`
+    when ``path`` does not exist.
     """
     _ext.verify(_root_uri(path), _default_pool())
+
+
+def copy_checkpoint(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    sync: bool = True,
+    direct_io: bool = True,
+    verify_destination: bool = False,
+    thread_count: int | None = None,
+) -> None:
+    """Copies the committed checkpoint ``src`` to ``dst`` (directories or
+    ``shm://`` URIs), in parallel.
+
+    Every block is checked against its checksum as it is copied; the data
+    files are synced (unless ``sync=False``, e.g. for a shared-memory
+    destination), optionally re-read and verified, and the manifest is
+    committed at ``dst`` last, so ``dst`` is either a complete checkpoint or
+    uncommitted. Raises :class:`cairn.CorruptionError` if ``src`` is damaged
+    and :class:`cairn.NotFoundError` if it does not exist.
+    """
+    pool = _ext.ThreadPool(thread_count) if thread_count else _default_pool()
+    _ext.copy_checkpoint(
+        _root_uri(src),
+        _root_uri(dst),
+        pool,
+        direct_io=direct_io,
+        sync=sync,
+        verify_destination=verify_destination,
+    )

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <new>
 
 #include "cairn/checkpoint.h"
 #include "checkpoint/io_util.h"
@@ -143,10 +144,10 @@ Status CheckpointReader::Read(const std::vector<ReadRequest>& requests, ThreadPo
     const ReadRequest& r = requests[i];
     auto loc = Locate(r.item);
     if (!loc.ok()) return loc.status().WithContext(where);
-    if (r.size != (*loc)->length) {
-      return InvalidArgumentError(where + ": destination of " + ItemName(r.item) + " has " +
-                                  std::to_string(r.size) + " bytes, the item has " +
-                                  std::to_string((*loc)->length));
+    if (r.offset > (*loc)->length || (*loc)->length - r.offset < r.size) {
+      return InvalidArgumentError(where + ": bytes [" + std::to_string(r.offset) + ", +" +
+                                  std::to_string(r.size) + ") requested from " + ItemName(r.item) +
+                                  ", which has " + std::to_string((*loc)->length));
     }
     if (r.size > 0 && r.dest == nullptr) {
       return InvalidArgumentError(where + ": null destination for " + ItemName(r.item));
@@ -164,9 +165,24 @@ Status CheckpointReader::Read(const std::vector<ReadRequest>& requests, ThreadPo
     const ManifestFile* mf = &manifest_.files[loc->file];
     const ReadableFile* f = files[i];
     char* dest = static_cast<char*>(requests[i].dest);
+    const uint64_t begin = requests[i].offset, end = begin + requests[i].size;
+    if (begin == end) continue;
     std::string name = ItemName(requests[i].item);
-    for (uint64_t b = 0; b < loc->checksums.size(); ++b) {
-      group.Run([=] { return ReadBlock(f, *mf, *loc, b, bs, dest + b * bs, name); });
+    for (uint64_t b = begin / bs; b * bs < end; ++b) {
+      const uint64_t bstart = b * bs, bend = std::min(bstart + bs, loc->length);
+      if (bstart >= begin && bend <= end) {
+        group.Run([=] { return ReadBlock(f, *mf, *loc, b, bs, dest + (bstart - begin), name); });
+        continue;
+      }
+      // An edge block: verify it whole in scratch memory, keep the overlap.
+      group.Run([=]() -> Status {
+        std::unique_ptr<char[]> scratch(new (std::nothrow) char[bend - bstart]);
+        if (!scratch) return ResourceExhaustedError("cannot allocate a read buffer");
+        CAIRN_RETURN_IF_ERROR(ReadBlock(f, *mf, *loc, b, bs, scratch.get(), name));
+        const uint64_t lo = std::max(bstart, begin), hi = std::min(bend, end);
+        std::memcpy(dest + (lo - begin), scratch.get() + (lo - bstart), hi - lo);
+        return Status::OK();
+      });
     }
   }
   return group.Wait().WithContext(where);
@@ -293,8 +309,21 @@ Status VerifyData(Storage* storage, std::string_view dir, const Manifest& m, Thr
 
 Status Verify(Storage* storage, std::string_view dir, ThreadPool* pool,
               const ProgressFn& progress) {
-  CAIRN_ASSIGN_OR_RETURN(Manifest m, ReadManifest(storage, dir));
-  return VerifyData(storage, dir, m, pool, progress);
+  auto m = ReadManifest(storage, dir);
+  if (!m.ok() && m.status().code() == StatusCode::kNotFound) {
+    // A directory without a manifest is not an intact checkpoint: it never
+    // committed, or its manifest was deleted. Only a missing directory is
+    // "not found".
+    auto exists = storage->Exists(dir);
+    if (exists.ok() && *exists) {
+      return DataLossError("verifying " + Where(storage, dir) + ": no " +
+                           std::string(format::kManifestName) +
+                           ": the checkpoint is partial (never committed, or its manifest "
+                           "was deleted)");
+    }
+  }
+  if (!m.ok()) return m.status();
+  return VerifyData(storage, dir, *m, pool, progress);
 }
 
 // ---- Discovery -------------------------------------------------------------

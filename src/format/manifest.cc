@@ -65,6 +65,10 @@ namespace {
 
 using nlohmann::json;
 
+// Deepest nesting accepted in a manifest body (the schema itself needs 5;
+// the rest is for the free-form "extra" section).
+constexpr int kMaxJsonDepth = 64;
+
 // a * b, or false on overflow.
 bool MulOk(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 bool AddOk(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_add_overflow(a, b, out); }
@@ -142,7 +146,7 @@ Status ValidateTensor(const Manifest& m, const ManifestTensor& t) {
   if (t.fqn.empty()) return Invalid("a tensor has an empty name");
   size_t itemsize = format::DtypeItemSize(t.dtype);
   if (itemsize == 0) return Invalid(what + ": unknown dtype '" + t.dtype + "'");
-  if (t.shape.size() > format::kMaxRank) return Invalid(what + ": too many dimensions");
+  if (t.shape.size() > format::kMaxDims) return Invalid(what + ": too many dimensions");
   uint64_t numel = 1;
   for (uint64_t d : t.shape) {
     if (!MulOk(numel, d, &numel)) return Invalid(what + ": shape overflows");
@@ -401,7 +405,18 @@ Result<std::string> ManifestToJson(const Manifest& m) {
 
 Result<Manifest> ManifestFromJson(std::string_view text, bool from_storage) {
   Reader r(from_storage);
-  json body = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  // Values nested deeper than kMaxJsonDepth are discarded while parsing and
+  // reported: a hostile body must not drive recursive code (dump, destroy)
+  // into a stack overflow.
+  bool too_deep = false;
+  json::parser_callback_t limit_depth = [&too_deep](int depth, json::parse_event_t, json&) {
+    if (depth > kMaxJsonDepth) too_deep = true;
+    return depth <= kMaxJsonDepth;
+  };
+  json body = json::parse(text, limit_depth, /*allow_exceptions=*/false);
+  if (too_deep) {
+    return r.Bad("<body>", "nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+  }
   if (body.is_discarded()) return r.Bad("<body>", "not valid JSON");
   if (!body.is_object()) return r.Bad("<body>", "not a JSON object");
   Manifest m;
@@ -437,7 +452,7 @@ Result<Manifest> ManifestFromJson(std::string_view text, bool from_storage) {
     ManifestTensor t;
     CAIRN_ASSIGN_OR_RETURN(t.fqn, r.Str(jt, "fqn", p));
     CAIRN_ASSIGN_OR_RETURN(t.dtype, r.Str(jt, "dtype", p));
-    CAIRN_ASSIGN_OR_RETURN(t.shape, r.U64Array(jt, "shape", p, format::kMaxRank));
+    CAIRN_ASSIGN_OR_RETURN(t.shape, r.U64Array(jt, "shape", p, format::kMaxDims));
     CAIRN_ASSIGN_OR_RETURN(t.requires_grad, r.Bool(jt, "requires_grad", p, false));
     CAIRN_ASSIGN_OR_RETURN(t.pin_memory, r.Bool(jt, "pin_memory", p, false));
     CAIRN_ASSIGN_OR_RETURN(t.layout, r.Str(jt, "layout", p));
@@ -448,8 +463,8 @@ Result<Manifest> ManifestFromJson(std::string_view text, bool from_storage) {
       std::string cp = p + ".chunks[" + std::to_string(c) + "]";
       TensorChunk ch;
       CAIRN_ASSIGN_OR_RETURN(ch.location, r.Location((*chunks)[c], cp));
-      CAIRN_ASSIGN_OR_RETURN(ch.offsets, r.U64Array((*chunks)[c], "offsets", cp, format::kMaxRank));
-      CAIRN_ASSIGN_OR_RETURN(ch.sizes, r.U64Array((*chunks)[c], "sizes", cp, format::kMaxRank));
+      CAIRN_ASSIGN_OR_RETURN(ch.offsets, r.U64Array((*chunks)[c], "offsets", cp, format::kMaxDims));
+      CAIRN_ASSIGN_OR_RETURN(ch.sizes, r.U64Array((*chunks)[c], "sizes", cp, format::kMaxDims));
       t.chunks.push_back(std::move(ch));
     }
     m.tensors.push_back(std::move(t));

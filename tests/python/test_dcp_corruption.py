@@ -74,6 +74,16 @@ def test_flipped_data_byte_names_file_and_tensor(ckpt):
         cairn.verify(ckpt)
 
 
+def test_unwrap_returns_the_rank_error(ckpt):
+    flip(ckpt / "data" / "r0.bin", item_offset(ckpt, "model.w") + 100)
+    with pytest.raises(BaseException) as info:
+        dcp.load({"model.w": torch.zeros(256, 64)}, storage_reader=cairn.Reader(ckpt))
+    err = cairn.dcp.unwrap(info.value)
+    assert isinstance(err, cairn.CorruptionError) and "tensor 'model.w'" in str(err)
+    plain = ValueError("x")
+    assert cairn.dcp.unwrap(plain) is plain
+
+
 def test_truncated_data_file_names_file_and_tensor(ckpt):
     data = ckpt / "data" / "r0.bin"
     os.truncate(data, os.path.getsize(data) - 100)
@@ -102,6 +112,14 @@ def test_damaged_manifest_is_corruption(ckpt, where):
         cairn.Reader(ckpt)
     with pytest.raises(cairn.CorruptionError):
         cairn.verify(ckpt)
+
+
+def test_deleted_manifest_fails_verify(ckpt):
+    os.remove(ckpt / "cairn.manifest")
+    with pytest.raises(cairn.CorruptionError, match="partial"):
+        cairn.verify(ckpt)
+    with pytest.raises(FileNotFoundError):  # nothing committed to load
+        cairn.Reader(ckpt)
 
 
 def test_truncated_manifest_is_corruption(ckpt):
@@ -179,3 +197,23 @@ def test_corrupt_newest_checkpoint_is_skipped_by_latest_valid(tmp_path):
         dcp.save({"a": torch.ones(3)}, storage_writer=cairn.Writer(tmp_path / f"step_{step}"))
     (tmp_path / "step_2" / "cairn.manifest").write_bytes(b"garbage")
     assert cairn.latest_valid(tmp_path) == f"{tmp_path}/step_1"
+
+
+def test_errors_survive_pickling_between_ranks(ckpt):
+    # DCP gathers a failing rank's exception to every rank by pickling it.
+    import pickle
+
+    flip(ckpt / "data" / "r0.bin", item_offset(ckpt, "model.w"))
+    with pytest.raises(cairn.CorruptionError) as info:
+        cairn.verify(ckpt)
+    again = pickle.loads(pickle.dumps(info.value))
+    assert isinstance(again, cairn.CorruptionError) and str(again) == str(info.value)
+
+
+def test_copy_checkpoint_refuses_a_corrupt_source(ckpt, tmp_path):
+    cairn.copy_checkpoint(ckpt, tmp_path / "copy", verify_destination=True)
+    cairn.verify(tmp_path / "copy")
+    flip(ckpt / "data" / "r0.bin", item_offset(ckpt, "model.b"))
+    with pytest.raises(cairn.CorruptionError, match="tensor 'model.b'"):
+        cairn.copy_checkpoint(ckpt, tmp_path / "copy2")
+    assert not (tmp_path / "copy2" / "cairn.manifest").exists()

@@ -100,6 +100,10 @@ def test_checkpoint_id_and_reuse_of_writer_and_reader(tmp_path):
         dcp.load(out, checkpoint_id=tmp_path / f"step_{step}", storage_reader=reader)
         assert out["n"] == step
         assert torch.equal(out["a"], torch.arange(10.0) + step)
+    reader.close()  # releases the files; the next use reopens
+    out = {"a": torch.zeros(10), "n": 0}
+    dcp.load(out, storage_reader=reader)
+    assert out["n"] == 2
     assert cairn.latest_valid(tmp_path) == f"{tmp_path}/step_2"
 
 
@@ -177,13 +181,17 @@ def test_missing_checkpoint_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         cairn.Reader(tmp_path / "nope")
     with pytest.raises(cairn.NotFoundError):
-        dcp.load({"a": torch.zeros(1)}, checkpoint_id=tmp_path / "nope", storage_reader=cairn.Reader())
+        dcp.load(
+            {"a": torch.zeros(1)}, checkpoint_id=tmp_path / "nope", storage_reader=cairn.Reader()
+        )
     # A directory with data but no manifest is a partial checkpoint.
     (tmp_path / "partial" / "data").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="partial"):
         cairn.Reader(tmp_path / "partial")
     with pytest.raises(FileNotFoundError):
         cairn.verify(tmp_path / "nope")
+    with pytest.raises(cairn.CorruptionError, match="partial"):
+        cairn.verify(tmp_path / "partial")
 
 
 def test_manifest_is_not_pickle_and_documents_the_state(tmp_path):
@@ -206,7 +214,8 @@ def test_manifest_is_not_pickle_and_documents_the_state(tmp_path):
 def test_latest_valid_and_list(tmp_path):
     assert cairn.latest_valid(tmp_path) is None
     for step in (5, 40, 300):
-        dcp.save({"a": torch.ones(4) * step}, storage_writer=cairn.Writer(tmp_path / f"step_{step}"))
+        writer = cairn.Writer(tmp_path / f"step_{step}")
+        dcp.save({"a": torch.ones(4) * step}, storage_writer=writer)
     os.remove(tmp_path / "step_300" / "cairn.manifest")
     assert cairn.latest_valid(tmp_path) == f"{tmp_path}/step_40"
     listing = cairn.list_checkpoints(tmp_path)
@@ -215,8 +224,10 @@ def test_latest_valid_and_list(tmp_path):
         ("step_40", True),
         ("step_300", False),
     ]
+    # The first run of a job has no checkpoint root yet: nothing to resume.
+    assert cairn.latest_valid(tmp_path / "missing") is None
     with pytest.raises(FileNotFoundError):
-        cairn.latest_valid(tmp_path / "missing")
+        cairn.list_checkpoints(tmp_path / "missing")
 
 
 def test_stock_checkpoints_are_delegated(tmp_path, monkeypatch):
@@ -242,3 +253,37 @@ def test_planner_data_round_trips_with_types():
     assert cdcp._decode(json.loads(json.dumps(encoded))) == value
     with pytest.raises(ValueError):
         cdcp._encode({"a": object()})
+
+
+def test_byte_range_of_read_regions():
+    # Whole chunk, whole rows, a row fragment, and a column block (not contiguous).
+    assert cdcp._byte_range((0, 0), (4, 5), (4, 5), 4) == (0, 80)
+    assert cdcp._byte_range((1, 0), (2, 5), (4, 5), 4) == (20, 40)
+    assert cdcp._byte_range((2, 1), (1, 3), (4, 5), 2) == (22, 6)
+    assert cdcp._byte_range((0, 1), (4, 2), (4, 5), 4) is None
+    assert cdcp._byte_range((1, 0, 0), (1, 1, 3), (2, 2, 3), 1) == (6, 3)
+    assert cdcp._byte_range((0, 0), (0, 5), (4, 5), 4) == (0, 0)
+    assert cdcp._byte_range((), (), (), 8) == (0, 8)
+    with pytest.raises(ValueError):
+        cdcp._byte_range((3, 0), (2, 5), (4, 5), 4)
+
+
+def test_uncoordinated_save_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="use_collectives"):
+        dcp.save(
+            {"a": torch.ones(2)},
+            storage_writer=cairn.Writer(tmp_path / "c"),
+            use_collectives=False,
+        )
+    assert cairn.latest_valid(tmp_path) is None
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_unstorable_dtype_is_refused_before_writing(tmp_path):
+    # Quantized tensors are among the few that DCP plans but cairn cannot store.
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with pytest.raises(BaseException) as info:
+        dcp.save({"q": q}, storage_writer=cairn.Writer(tmp_path / "c"))
+    err = rank_error(info.value)
+    assert isinstance(err, ValueError) and "qint8" in str(err), err
+    assert cairn.latest_valid(tmp_path) is None
