@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     step = 0 if start is None else start
     if rank == 0:
         print(f"[train] world={world} mode={mode} compile={args.compile} "
-              f"{'resuming from step ' + str(start) if start is not None else 'starting fresh'}",
+              + (f"resuming from step {start} ({mgr.restored[1]} tier)" if start is not None
+                 else "starting fresh"),
               flush=True)
 
     prof = None

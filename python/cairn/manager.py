@@ -278,6 +278,8 @@ class CheckpointManager:
         self._saves = 0
         self._history: list[dict[str, Any]] = []
         self._slot_held: int | None = None
+        # (step, tier) of the last successful restore(), e.g. (20, "memory").
+        self.restored: tuple[int, str] | None = None
         self._registered: dict[int, tuple[int, int]] = {}  # slot -> pinned (address, size)
         self._stream: Any = None  # the CUDA side stream of device-to-host staging
         # Tests route CPU tensors through the device staging path (its CPU fallback).
@@ -746,7 +748,7 @@ class CheckpointManager:
                 verdicts = self._gather(ok)
                 if all(verdicts):
                     log.info("cairn: restored step %d from the %s tier", step, choice[1])
-                    self._restored = (step, choice[1])
+                    self.restored = (step, choice[1])
                     return step
                 bad.add((step, choice[1]))
                 failures.append(f"step {step} ({choice[1]}): {err or 'failed on another rank'}")

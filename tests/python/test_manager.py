@@ -115,7 +115,7 @@ def _restore_after_crash(rank, world, root):
     model, opt, state = make_state(rank, seed=5)
     mgr = cairn.CheckpointManager(root, keep=2)
     step = mgr.restore(state)
-    tier = mgr._restored[1] if step is not None else None
+    tier = mgr.restored[1] if step is not None else None
     ok = torch.equal(flat(model), torch.load(os.path.join(root, f"expected{rank}.pt")))
     mgr.close()
     return step, tier, ok
