@@ -228,3 +228,37 @@ def test_file_larger_than_cache_limit_is_a_clear_error(tmp_path):
 def test_loader_rejects_other_datasets():
     with pytest.raises(TypeError):
         cd.DataLoader([1, 2, 3])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("CAIRN_SLOW"), reason="long: set CAIRN_SLOW=1")
+def test_repeated_random_kills_always_resume_exactly(tmp_path):
+    import random
+
+    tmp = str(tmp_path)
+    src = "slow://" + make_source(f"{tmp}/src", 22) + "?latency=0.005"
+    script = f"{tmp}/train.py"
+    with open(script, "w") as f:
+        f.write(TRAIN)
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    subprocess.run([sys.executable, script, src, f"{tmp}/cache_ref", f"{tmp}/ref.jsonl", "2"],
+                   env=env, check=True, timeout=120)
+    reference = _batches(f"{tmp}/ref.jsonl")
+    rnd = random.Random(1234)
+    for trial in range(8):
+        log = f"{tmp}/run{trial}.jsonl"
+        for _ in range(rnd.randint(1, 3)):  # several kills in one run
+            target = len(_batches(log)) + rnd.randint(1, 6) if os.path.exists(log) else rnd.randint(1, 8)
+            proc = subprocess.Popen([sys.executable, script, src, f"{tmp}/cache", log, "2"],
+                                    env=env, start_new_session=True)
+            while proc.poll() is None and (not os.path.exists(log) or len(_batches(log)) < target):
+                time.sleep(0.002)
+            if proc.poll() is None:
+                time.sleep(rnd.random() * 0.03)  # anywhere inside a step
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        subprocess.run([sys.executable, script, src, f"{tmp}/cache", log, "2"], env=env,
+                       check=True, timeout=120)
+        assert _batches(log) == reference, f"trial {trial}"

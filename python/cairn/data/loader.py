@@ -200,7 +200,6 @@ class DataLoader(torch.utils.data.DataLoader):
             n = self._cds._num_items()
             self._end = _partition.epoch_end(n, self._consumed, ws, self._cds.drop_last)
             self._step = self._bs * ws
-            self._consumed = min(self._consumed, max(self._end, self._consumed))
         self._control.set(
             epoch=self._epoch,
             start=self._consumed,
