@@ -216,7 +216,7 @@ def test_state_counts_only_batches_handed_out(tmp_path):
     assert dl.state_dict()["epoch"] == 0
     rest = [rel(p) for b in it for p in b]
     assert len(rest) == 24
-    assert dl.state_dict() == {"version": 1, "items": 30, "epoch": 1, "consumed": 0}
+    assert dl.state_dict() == {"version": 1, "items": 30, "epoch": 1, "consumed": 0, "batches": 0}
 
 
 def test_file_larger_than_cache_limit_is_a_clear_error(tmp_path):
@@ -262,3 +262,31 @@ def test_repeated_random_kills_always_resume_exactly(tmp_path):
         subprocess.run([sys.executable, script, src, f"{tmp}/cache", log, "2"], env=env,
                        check=True, timeout=120)
         assert _batches(log) == reference, f"trial {trial}"
+
+
+def test_batches_per_epoch_caps_every_epoch_and_resumes(tmp_path):
+    src = make_source(f"{tmp_path}/src", 30)
+
+    def loader():
+        ds = cd.CachedFileDataset(src, cache_dir=f"{tmp_path}/cache", shuffle=True)
+        return cd.DataLoader(ds, batch_size=4, num_workers=2, batches_per_epoch=3,
+                             collate_fn=identity)
+
+    dl = loader()
+    full = []
+    for e in range(2):
+        dl.set_epoch(e)
+        full.append([rel(p) for b in dl for p in b])
+    assert [len(x) for x in full] == [12, 12]
+    dl = loader()
+    dl.set_epoch(0)
+    it = iter(dl)
+    got = [rel(p) for p in next(it)]
+    state = dl.state_dict()
+    assert state["batches"] == 1
+    dl = loader()
+    dl.load_state_dict(state)
+    for e in range(dl.epoch, 2):
+        dl.set_epoch(e)
+        got += [rel(p) for b in dl for p in b]
+    assert got == full[0] + full[1]
