@@ -290,3 +290,28 @@ def test_batches_per_epoch_caps_every_epoch_and_resumes(tmp_path):
         dl.set_epoch(e)
         got += [rel(p) for b in dl for p in b]
     assert got == full[0] + full[1]
+
+
+def test_loader_is_a_dcp_stateful(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    src = make_source(f"{tmp_path}/src", 20)
+
+    def loader():
+        ds = cd.CachedFileDataset(src, cache_dir=f"{tmp_path}/cache", shuffle=True, seed=9)
+        return cd.DataLoader(ds, batch_size=3, num_workers=1, collate_fn=identity)
+
+    dl = loader()
+    it = iter(dl)
+    next(it)
+    next(it)
+    expected = [rel(p) for b in it for p in b]
+    dl = loader()
+    it = iter(dl)
+    next(it)
+    next(it)
+    dcp.save({"data": dl}, checkpoint_id=str(tmp_path / "ckpt"))
+    fresh = loader()
+    dcp.load({"data": fresh}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert fresh.state_dict() == dl.state_dict()
+    assert [rel(p) for b in fresh for p in b] == expected
