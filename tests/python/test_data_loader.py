@@ -208,6 +208,7 @@ def test_state_counts_only_batches_handed_out(tmp_path):
     src = make_source(f"{tmp_path}/src", 30)
     ds = cd.CachedFileDataset(src, cache_dir=f"{tmp_path}/cache")
     dl = cd.DataLoader(ds, batch_size=3, num_workers=2, prefetch_factor=4, collate_fn=identity)
+    assert len(ds) == 30 and len(dl) == 10
     it = iter(dl)
     next(it)
     next(it)
@@ -278,6 +279,7 @@ def test_batches_per_epoch_caps_every_epoch_and_resumes(tmp_path):
         dl.set_epoch(e)
         full.append([rel(p) for b in dl for p in b])
     assert [len(x) for x in full] == [12, 12]
+    assert len(dl) == 3
     dl = loader()
     dl.set_epoch(0)
     it = iter(dl)

@@ -163,6 +163,11 @@ class DataLoader(torch.utils.data.DataLoader):
         self._iter_ws = 1
         self._iter_nw = 1
 
+    def __len__(self) -> int:
+        """Batches per full epoch on this rank."""
+        n = super().__len__()
+        return n if self._batches_per_epoch is None else min(n, self._batches_per_epoch)
+
     # -- epoch and position -------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch of the next iteration. Keeps a restored position
