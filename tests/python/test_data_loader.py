@@ -317,3 +317,21 @@ def test_loader_is_a_dcp_stateful(tmp_path):
     dcp.load({"data": fresh}, checkpoint_id=str(tmp_path / "ckpt"))
     assert fresh.state_dict() == dl.state_dict()
     assert [rel(p) for b in fresh for p in b] == expected
+
+
+def test_spawned_persistent_workers_follow_set_epoch_and_position(tmp_path):
+    # Workers started with "spawn" get the dataset (and its shared control
+    # block) pickled once; epochs and positions must still reach them.
+    n = 12
+    src = make_source(f"{tmp_path}/src", n)
+    ds = cd.CachedFileDataset(src, cache_dir=f"{tmp_path}/cache", shuffle=True, seed=4)
+    dl = cd.DataLoader(ds, batch_size=2, num_workers=2, collate_fn=identity,
+                       multiprocessing_context="spawn")
+    keys = ds.keys
+    for e in range(2):
+        dl.set_epoch(e)
+        got = [rel(p) for b in dl for p in b]
+        assert got == [keys[i] for i in _partition.epoch_order(n, 4, e, True)]
+    dl.load_state_dict({"version": 1, "items": n, "epoch": 0, "consumed": 6})
+    got = [rel(p) for b in dl for p in b]
+    assert got == [keys[i] for i in _partition.epoch_order(n, 4, 0, True)[6:]]
