@@ -38,18 +38,32 @@ class TokenFiles(torch.utils.data.IterableDataset):
             yield torch.from_numpy(tokens[: len(tokens) // SEQ * SEQ].reshape(-1, SEQ)[0].copy())
 
 
-def demo_source() -> str:
-    root = tempfile.mkdtemp(prefix="cairn-tokens-")
+SHARE = f"decode-example-{os.getpid()}"  # names the demo's bandwidth pipe in /dev/shm
+
+
+def demo_source(root: str) -> str:
     rng = np.random.default_rng(0)
     for i in range(64):
         rng.integers(0, 50_000, size=4 * SEQ, dtype=np.int32).tofile(f"{root}/shard{i:03d}.bin")
-    return f"slow://{root}?latency=0.005&bandwidth=50e6"
+    return f"slow://{root}?latency=0.005&bandwidth=50e6&share={SHARE}"
 
 
 def main() -> None:
-    source = sys.argv[1] if len(sys.argv) > 1 else demo_source()
-    paths = cairn.data.CachedFileDataset(source, cache_dir=tempfile.mkdtemp(), shuffle=True,
-                                         seed=0)
+    with tempfile.TemporaryDirectory(prefix="cairn-example-") as tmp:
+        if len(sys.argv) > 1:
+            source = sys.argv[1]
+        else:
+            os.makedirs(f"{tmp}/src")
+            source = demo_source(f"{tmp}/src")
+        try:
+            run(source, cache_dir=f"{tmp}/cache")
+        finally:
+            if os.path.exists(f"/dev/shm/cairn-throttle-{SHARE}"):
+                os.unlink(f"/dev/shm/cairn-throttle-{SHARE}")
+
+
+def run(source: str, cache_dir: str) -> None:
+    paths = cairn.data.CachedFileDataset(source, cache_dir=cache_dir, shuffle=True, seed=0)
     loader = cairn.data.DataLoader(TokenFiles(paths), batch_size=8, num_workers=2)
     for epoch in range(2):
         loader.set_epoch(epoch)

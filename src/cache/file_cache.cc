@@ -320,6 +320,19 @@ Status FileCache::Init() {
       }
     }
     t.Recount();
+  } else {
+    // Distrust a damaged table: a slot must name a known state and the
+    // file's listed size, or it is dropped (and its file with it).
+    for (size_t i = 0; i < files_.size(); ++i) {
+      Slot& sl = t.slots[i];
+      bool ok = sl.state == kAbsent ||
+                ((sl.state == kPresent || sl.state == kFetching) && sl.size == files_[i].size);
+      if (!ok) {
+        ::unlink(FinalPath(static_cast<int64_t>(i)).c_str());
+        sl = Slot{0, kAbsent, 0, 0};
+      }
+    }
+    t.Recount();  // `used` is derived from the slots, never trusted from disk
   }
   return CleanStale();
 }

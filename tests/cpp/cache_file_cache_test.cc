@@ -166,6 +166,29 @@ TEST_F(FileCacheTest, ReopenKeepsCompleteFilesAndDropsTempFiles) {
   EXPECT_EQ(c->Stats().used_bytes, 1000u);
 }
 
+TEST_F(FileCacheTest, DamagedTableIsRepairedAtOpen) {
+  MakeFiles(2, 1000);
+  std::string root;
+  {
+    auto c = Open(1 << 20);
+    ASSERT_TRUE(c->AcquireFile(0).ok());
+    root = c->root();
+  }
+  {
+    // Scribble over both slots (header is 128 bytes, slots 24).
+    std::fstream f(root + "/table", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(128);
+    std::string junk(48, '\x7f');
+    f.write(junk.data(), junk.size());
+  }
+  auto c = Open(1 << 20);
+  EXPECT_EQ(c->Stats().used_bytes, 0u);
+  auto p = c->AcquireFile(0);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(Read(*p), Read(src_ + "/sub/f0"));
+  EXPECT_EQ(c->Stats().used_bytes, 1000u);
+}
+
 TEST_F(FileCacheTest, PrefetchRunsAheadOfTheConsumer) {
   MakeFiles(8, 1000);
   auto c = Open(1 << 20);

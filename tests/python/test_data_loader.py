@@ -208,6 +208,7 @@ def test_state_counts_only_batches_handed_out(tmp_path):
     src = make_source(f"{tmp_path}/src", 30)
     ds = cd.CachedFileDataset(src, cache_dir=f"{tmp_path}/cache")
     dl = cd.DataLoader(ds, batch_size=3, num_workers=2, prefetch_factor=4, collate_fn=identity)
+    assert len(ds) == 30 and len(dl) == 10
     it = iter(dl)
     next(it)
     next(it)
@@ -216,7 +217,7 @@ def test_state_counts_only_batches_handed_out(tmp_path):
     assert dl.state_dict()["epoch"] == 0
     rest = [rel(p) for b in it for p in b]
     assert len(rest) == 24
-    assert dl.state_dict() == {"version": 1, "items": 30, "epoch": 1, "consumed": 0}
+    assert dl.state_dict() == {"version": 1, "items": 30, "epoch": 1, "consumed": 0, "batches": 0}
 
 
 def test_file_larger_than_cache_limit_is_a_clear_error(tmp_path):
@@ -228,3 +229,109 @@ def test_file_larger_than_cache_limit_is_a_clear_error(tmp_path):
 def test_loader_rejects_other_datasets():
     with pytest.raises(TypeError):
         cd.DataLoader([1, 2, 3])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("CAIRN_SLOW"), reason="long: set CAIRN_SLOW=1")
+def test_repeated_random_kills_always_resume_exactly(tmp_path):
+    import random
+
+    tmp = str(tmp_path)
+    src = "slow://" + make_source(f"{tmp}/src", 22) + "?latency=0.005"
+    script = f"{tmp}/train.py"
+    with open(script, "w") as f:
+        f.write(TRAIN)
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    subprocess.run([sys.executable, script, src, f"{tmp}/cache_ref", f"{tmp}/ref.jsonl", "2"],
+                   env=env, check=True, timeout=120)
+    reference = _batches(f"{tmp}/ref.jsonl")
+    rnd = random.Random(1234)
+    for trial in range(8):
+        log = f"{tmp}/run{trial}.jsonl"
+        for _ in range(rnd.randint(1, 3)):  # several kills in one run
+            target = len(_batches(log)) + rnd.randint(1, 6) if os.path.exists(log) else rnd.randint(1, 8)
+            proc = subprocess.Popen([sys.executable, script, src, f"{tmp}/cache", log, "2"],
+                                    env=env, start_new_session=True)
+            while proc.poll() is None and (not os.path.exists(log) or len(_batches(log)) < target):
+                time.sleep(0.002)
+            if proc.poll() is None:
+                time.sleep(rnd.random() * 0.03)  # anywhere inside a step
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        subprocess.run([sys.executable, script, src, f"{tmp}/cache", log, "2"], env=env,
+                       check=True, timeout=120)
+        assert _batches(log) == reference, f"trial {trial}"
+
+
+def test_batches_per_epoch_caps_every_epoch_and_resumes(tmp_path):
+    src = make_source(f"{tmp_path}/src", 30)
+
+    def loader():
+        ds = cd.CachedFileDataset(src, cache_dir=f"{tmp_path}/cache", shuffle=True)
+        return cd.DataLoader(ds, batch_size=4, num_workers=2, batches_per_epoch=3,
+                             collate_fn=identity)
+
+    dl = loader()
+    full = []
+    for e in range(2):
+        dl.set_epoch(e)
+        full.append([rel(p) for b in dl for p in b])
+    assert [len(x) for x in full] == [12, 12]
+    assert len(dl) == 3
+    dl = loader()
+    dl.set_epoch(0)
+    it = iter(dl)
+    got = [rel(p) for p in next(it)]
+    state = dl.state_dict()
+    assert state["batches"] == 1
+    dl = loader()
+    dl.load_state_dict(state)
+    for e in range(dl.epoch, 2):
+        dl.set_epoch(e)
+        got += [rel(p) for b in dl for p in b]
+    assert got == full[0] + full[1]
+
+
+def test_loader_is_a_dcp_stateful(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    src = make_source(f"{tmp_path}/src", 20)
+
+    def loader():
+        ds = cd.CachedFileDataset(src, cache_dir=f"{tmp_path}/cache", shuffle=True, seed=9)
+        return cd.DataLoader(ds, batch_size=3, num_workers=1, collate_fn=identity)
+
+    dl = loader()
+    it = iter(dl)
+    next(it)
+    next(it)
+    expected = [rel(p) for b in it for p in b]
+    dl = loader()
+    it = iter(dl)
+    next(it)
+    next(it)
+    dcp.save({"data": dl}, checkpoint_id=str(tmp_path / "ckpt"))
+    fresh = loader()
+    dcp.load({"data": fresh}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert fresh.state_dict() == dl.state_dict()
+    assert [rel(p) for b in fresh for p in b] == expected
+
+
+def test_spawned_persistent_workers_follow_set_epoch_and_position(tmp_path):
+    # Workers started with "spawn" get the dataset (and its shared control
+    # block) pickled once; epochs and positions must still reach them.
+    n = 12
+    src = make_source(f"{tmp_path}/src", n)
+    ds = cd.CachedFileDataset(src, cache_dir=f"{tmp_path}/cache", shuffle=True, seed=4)
+    dl = cd.DataLoader(ds, batch_size=2, num_workers=2, collate_fn=identity,
+                       multiprocessing_context="spawn")
+    keys = ds.keys
+    for e in range(2):
+        dl.set_epoch(e)
+        got = [rel(p) for b in dl for p in b]
+        assert got == [keys[i] for i in _partition.epoch_order(n, 4, e, True)]
+    dl.load_state_dict({"version": 1, "items": n, "epoch": 0, "consumed": 6})
+    got = [rel(p) for b in dl for p in b]
+    assert got == [keys[i] for i in _partition.epoch_order(n, 4, 0, True)[6:]]

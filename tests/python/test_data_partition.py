@@ -54,12 +54,11 @@ def test_every_rank_gets_the_same_count_and_each_sample_once(n, ws, nw, bs):
 def test_resume_with_another_world_size_continues_the_global_order():
     n, bs = 50, 2
     order = P.epoch_order(n, 3, 0, True)
-    # 2 ranks consume 4 steps, then 3 ranks finish the epoch.
-    consumed = 4 * bs * 2
-    first = set(order[:consumed].tolist())
-    rest = []
-    for r in range(3):
-        rest.extend(P.padded(order, P.epoch_end(n, consumed, 3, False))[
-            P.rank_positions(n, consumed, 3, r, False)].tolist())
-    assert first.isdisjoint(set(rest) - set(order[: (P.epoch_end(n, consumed, 3, False) - n)]))
-    assert first | set(rest) == set(range(n))
+    consumed = 4 * bs * 2  # 2 ranks took 4 steps
+    end = P.epoch_end(n, consumed, 3, False)  # then 3 ranks finish the epoch
+    pos = np.concatenate([P.rank_positions(n, consumed, 3, r, False) for r in range(3)])
+    assert sorted(pos.tolist()) == list(range(consumed, end))
+    items = P.padded(order, end)[pos]
+    # The rest of the global order, each item once, plus < 3 wrap-around items.
+    assert set(items.tolist()) | set(order[:consumed].tolist()) == set(range(n))
+    assert len(items) - (n - consumed) < 3

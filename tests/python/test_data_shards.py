@@ -2,7 +2,6 @@
 workers, exact mid-epoch resume, resume on another number of slots."""
 
 import json
-import os
 
 import pytest
 import torch.multiprocessing as mp

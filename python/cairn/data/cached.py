@@ -140,8 +140,11 @@ class CachedFileDataset(torch.utils.data.IterableDataset):
 
     # -- position (standalone use; a cairn DataLoader manages it instead) --
     def __len__(self) -> int:
-        """Number of files (not the samples per rank)."""
-        return len(self.keys)
+        """Samples this rank gets in a full epoch (rank and world size read now;
+        ``len(self.keys)`` is the number of files). torch's ``len(loader)`` is
+        then the number of batches per epoch."""
+        _, ws = _partition.world()
+        return _partition.per_rank(len(self.keys), 0, ws, self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch (and so the order) of the next iteration."""

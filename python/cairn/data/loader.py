@@ -9,6 +9,10 @@
   told to start the next iteration.
 * The position counts only batches returned by ``__next__`` to the training
   loop, never batches prefetched by workers.
+* ``batches_per_epoch=N`` ends every epoch after N batches (the rest of the
+  epoch is dropped). With :class:`ShardDataset`, whose shards may differ in
+  length, this is how every rank gets the same number of batches (choose N no
+  larger than the smallest rank's share), so no rank hangs at an epoch's end.
 * At the start of each iteration, when torch.distributed is initialized, the
   ranks compare ``num_workers``, ``batch_size`` and the dataset size
   (``all_gather_object``) and raise ``ValueError`` on a mismatch: different
@@ -85,11 +89,15 @@ class _Iter:
 
     def __next__(self):
         ld = self._loader
+        if ld._batches_per_epoch is not None and ld._batches >= ld._batches_per_epoch:
+            ld._epoch_done = True
+            raise StopIteration
         try:
             batch = next(self._inner)
         except StopIteration:
             ld._epoch_done = True
             raise
+        ld._batches += 1
         if isinstance(batch, _Tagged):
             slot = batch.pos["slot"]
             ld._slot_pos[slot] = [batch.pos["done"], batch.pos["offset"]]
@@ -105,7 +113,15 @@ class DataLoader(torch.utils.data.DataLoader):
     as an attribute), with persistent workers, ``set_epoch`` and an exact,
     checkpointable position."""
 
-    def __init__(self, dataset: Any, batch_size: int | None = 1, num_workers: int = 0, **kwargs):
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        num_workers: int = 0,
+        *,
+        batches_per_epoch: int | None = None,
+        **kwargs,
+    ):
         cds = _find_cairn_dataset(dataset)
         if cds is None:
             raise TypeError(
@@ -136,6 +152,10 @@ class DataLoader(torch.utils.data.DataLoader):
         self._control = Control()
         self._pin_window = self._bs * (prefetch_factor + 2) if num_workers > 0 else self._bs + 1
         cds._control = self._control
+        if batches_per_epoch is not None and batches_per_epoch < 1:
+            raise ValueError("batches_per_epoch must be >= 1")
+        self._batches_per_epoch = batches_per_epoch
+        self._batches = 0  # batches handed out in this epoch
         self._epoch = 0
         self._consumed = 0
         self._epoch_done = False
@@ -149,6 +169,11 @@ class DataLoader(torch.utils.data.DataLoader):
         self._iter_ws = 1
         self._iter_nw = 1
 
+    def __len__(self) -> int:
+        """Batches per full epoch on this rank."""
+        n = super().__len__()
+        return n if self._batches_per_epoch is None else min(n, self._batches_per_epoch)
+
     # -- epoch and position -------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch of the next iteration. Keeps a restored position
@@ -157,6 +182,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if epoch != self._epoch or self._epoch_done:
             self._epoch = epoch
             self._consumed = 0
+            self._batches = 0
             self._epoch_done = False
             self._cds._resume = None if self._is_shards else getattr(self._cds, "_resume", None)
 
@@ -188,6 +214,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if self._epoch_done:
             self._epoch += 1
             self._consumed = 0
+            self._batches = 0
             self._epoch_done = False
             if self._is_shards:
                 self._cds._resume = None
@@ -206,7 +233,6 @@ class DataLoader(torch.utils.data.DataLoader):
             n = self._cds._num_items()
             self._end = _partition.epoch_end(n, self._consumed, ws, self._cds.drop_last)
             self._step = self._bs * ws
-            self._consumed = min(self._consumed, max(self._end, self._consumed))
         self._control.set(
             epoch=self._epoch,
             start=self._consumed,
@@ -224,7 +250,8 @@ class DataLoader(torch.utils.data.DataLoader):
         """The position after the last batch handed out: plain ints/lists."""
         common = {"version": _STATE_VERSION, "items": int(self._cds._num_items())}
         if self._epoch_done:
-            return {**common, "epoch": self._epoch + 1, "consumed": 0}
+            return {**common, "epoch": self._epoch + 1, "consumed": 0, "batches": 0}
+        common["batches"] = int(self._batches)
         if not self._is_shards:
             return {**common, "epoch": self._epoch, "consumed": int(self._consumed)}
         progress, shift = self._gather_progress()
@@ -275,6 +302,7 @@ class DataLoader(torch.utils.data.DataLoader):
             )
         self._epoch = as_int(state["epoch"])
         self._consumed = as_int(state.get("consumed", 0))
+        self._batches = as_int(state.get("batches", 0))
         self._epoch_done = False
         self._work = []
         if self._is_shards:

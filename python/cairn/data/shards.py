@@ -22,9 +22,10 @@ different world size or number of workers the remaining work is re-dealt:
 items in progress first (each from where it stopped), then untouched ones, so
 no sample is lost or repeated (the interleaving differs).
 
-Limitation: shards of different lengths give ranks different numbers of
-samples; a run that needs equal counts per rank (DDP) must use shards of equal
-length or cap the steps per epoch.
+Shards of different lengths give ranks different numbers of samples; a run
+that needs equal counts per rank (DDP) passes ``batches_per_epoch`` to
+cairn.data.DataLoader (every rank stops after that many batches) or uses
+shards of equal length.
 """
 
 from __future__ import annotations
