@@ -183,9 +183,10 @@ def main(argv=None) -> int:
     mgr.wait()
     elapsed = time.perf_counter() - t0
     if prof is not None:
-        prof.stop()
+        prof.stop()  # the handler wrote a Chrome/TensorBoard trace (*.pt.trace.json)
         if rank == 0:
-            prof.export_chrome_trace(os.path.join(args.profile, "trace.json"))
+            print(f"[train] profiler trace in {args.profile} (open in TensorBoard or "
+                  "chrome://tracing / Perfetto)", flush=True)
     stats = mgr.stats() if hasattr(mgr, "stats") else {}
     if rank == 0:
         print(f"[train] done: {step} steps in {elapsed:.1f}s; checkpoints: "
