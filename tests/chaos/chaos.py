@@ -131,7 +131,7 @@ def main() -> int:
         elif phase == "timer":
             # The timer starts when the manager is created: before the restore and
             # the first step, so any instant of the run up to its last step.
-            n = rng.randrange(50, max(100, run_ms))
+            n = rng.randrange(50, max(100, int(0.8 * run_ms)))
         elif phase == "prune":
             n = rng.randrange(1, max(2, saves - 2))
         else:
