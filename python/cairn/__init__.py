@@ -1,5 +1,7 @@
 """cairn: cheap checkpoints, quick recovery and exact resume for PyTorch training."""
 
+from cairn.checkpoint import latest_valid, list_checkpoints, verify
+from cairn.dcp import Reader, Writer
 from cairn.errors import (
     CorruptionError,
     Error,

@@ -1,7 +1,279 @@
+// Bindings for the checkpoint engine (include/cairn/checkpoint.h).
+//
+// Only argument conversion happens here. Tensor bytes cross as raw addresses
+// (tensor.data_ptr(), numpy .ctypes.data) with their sizes: the caller keeps
+// the memory alive for the duration of the call; nothing is copied or
+// pickled, and libtorch is not linked. The GIL is released around every call
+// that does I/O.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "cairn/checkpoint.h"
 #include "common.h"
 
-namespace cairn::python {
+namespace nb = nanobind;
 
-void RegisterCheckpoint(nanobind::module_& m) {}
+namespace cairn::python {
+namespace {
+
+// A CheckpointReader together with the Storage it reads from.
+class PyCheckpointReader {
+ public:
+  explicit PyCheckpointReader(const std::string& uri) {
+    {
+      nb::gil_scoped_release release;
+      auto storage = OpenStorage(uri, /*create=*/false);
+      if (!storage.ok()) {
+        status_ = storage.status().code() == StatusCode::kNotFound
+                      ? NotFoundError("no such checkpoint: " + uri)
+                      : storage.status();
+      } else {
+        storage_ = std::move(*storage);
+        auto reader = CheckpointReader::Open(storage_.get(), "");
+        if (reader.ok()) {
+          reader_ = std::move(*reader);
+          status_ = reader_->CheckFiles();
+        } else {
+          status_ = reader.status();
+        }
+      }
+    }
+    ThrowIfError(status_);
+  }
+
+  std::string ManifestJson() const { return ValueOrThrow(ManifestToJson(reader_->manifest())); }
+
+  // requests: (kind, index, chunk, dest address, dest bytes); kind 0 = tensor
+  // chunk, 1 = bytes item.
+  void Read(const std::vector<std::tuple<int, uint32_t, uint32_t, uintptr_t, uint64_t>>& requests,
+            ThreadPool& pool) {
+    std::vector<ReadRequest> reqs;
+    reqs.reserve(requests.size());
+    for (const auto& [kind, index, chunk, addr, size] : requests) {
+      if (kind != 0 && kind != 1) ThrowIfError(InvalidArgumentError("bad item kind"));
+      ReadRequest r;
+      r.item.kind = kind == 0 ? ItemRef::Kind::kTensorChunk : ItemRef::Kind::kBytes;
+      r.item.index = index;
+      r.item.chunk = chunk;
+      r.dest = reinterpret_cast<void*>(addr);
+      r.size = size;
+      reqs.push_back(r);
+    }
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      s = reader_->Read(reqs, &pool);
+    }
+    ThrowIfError(s);
+  }
+
+ private:
+  Status status_;
+  std::unique_ptr<Storage> storage_;
+  std::unique_ptr<CheckpointReader> reader_;
+};
+
+}  // namespace
+
+void RegisterCheckpoint(nb::module_& m) {
+  m.attr("FORMAT_VERSION") = format::kFormatVersion;
+  m.attr("DEFAULT_BLOCK_SIZE") = format::kDefaultBlockSize;
+  m.attr("ITEM_ALIGNMENT") = format::kItemAlignment;
+  m.attr("MANIFEST_NAME") = std::string(format::kManifestName);
+  m.attr("CHECKSUM_ALGORITHM") = std::string(format::kChecksumAlgorithm);
+
+  nb::class_<ThreadPool>(m, "ThreadPool", "A fixed pool of I/O threads (C++ owned).")
+      .def(nb::init<size_t>(), nb::arg("num_threads"))
+      .def_prop_ro("size", &ThreadPool::size);
+
+  m.def(
+      "dtype_itemsize", [](const std::string& dtype) { return format::DtypeItemSize(dtype); },
+      "Bytes per element of a manifest dtype name, 0 if unknown.");
+
+  m.def(
+      "write_data_file",
+      [](const std::string& uri, const std::string& key,
+         const std::vector<std::pair<uintptr_t, uint64_t>>& buffers, ThreadPool& pool,
+         bool direct_io, bool sync, uint64_t block_size) {
+        std::vector<BufferRef> refs;
+        refs.reserve(buffers.size());
+        for (const auto& [addr, size] : buffers) {
+          refs.push_back({reinterpret_cast<const void*>(addr), size});
+        }
+        Result<DataFileResult> r = InternalError("unset");
+        {
+          nb::gil_scoped_release release;
+          auto storage = OpenStorage(uri, /*create=*/true);
+          if (!storage.ok()) {
+            r = storage.status();
+          } else {
+            DataFileOptions opts;
+            opts.direct_io = direct_io;
+            opts.sync = sync;
+            opts.block_size = block_size;
+            r = WriteDataFile(storage->get(), key, refs, &pool, opts);
+          }
+        }
+        DataFileResult res = ValueOrThrow(std::move(r));
+        nb::list items;
+        for (const auto& loc : res.items) {
+          nb::list sums;
+          for (uint64_t c : loc.checksums) sums.append(c);
+          items.append(nb::make_tuple(loc.offset, loc.length, sums));
+        }
+        return nb::make_tuple(res.file_size, items);
+      },
+      nb::arg("uri"), nb::arg("key"), nb::arg("buffers"), nb::arg("pool"),
+      nb::arg("direct_io") = false, nb::arg("sync") = true,
+      nb::arg("block_size") = format::kDefaultBlockSize,
+      "Writes (address, nbytes) buffers into file `key` of the checkpoint at `uri`.\n"
+      "Returns (file_size, [(offset, length, [block checksums])...]).");
+
+  m.def(
+      "commit_manifest",
+      [](const std::string& uri, const std::string& body_json) {
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          auto m = ManifestFromJson(body_json, /*from_storage=*/false);
+          auto storage = OpenStorage(uri, /*create=*/true);
+          if (!m.ok()) {
+            s = m.status();
+          } else if (!storage.ok()) {
+            s = storage.status();
+          } else {
+            s = CommitManifest(storage->get(), "", *m);
+          }
+        }
+        ThrowIfError(s);
+      },
+      nb::arg("uri"), nb::arg("body_json"),
+      "Validates a manifest JSON body and commits it (written last, atomically).");
+
+  m.def(
+      "uncommit",
+      [](const std::string& uri) {
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          auto storage = OpenStorage(uri, /*create=*/true);
+          s = storage.ok() ? UncommitCheckpoint(storage->get(), "") : storage.status();
+        }
+        ThrowIfError(s);
+      },
+      nb::arg("uri"), "Removes the manifest at `uri` if any: the directory becomes partial.");
+
+  m.def(
+      "has_manifest",
+      [](const std::string& uri) {
+        nb::gil_scoped_release release;
+        auto storage = OpenStorage(uri, /*create=*/false);
+        if (!storage.ok()) return false;
+        auto e = storage->get()->Exists(format::kManifestName);
+        return e.ok() && *e;
+      },
+      nb::arg("uri"), "Whether `uri` holds a cairn manifest (committed or damaged).");
+
+  nb::class_<PyCheckpointReader>(m, "CheckpointReader")
+      .def(nb::init<const std::string&>(), nb::arg("uri"),
+           "Opens the committed checkpoint at `uri`: reads and validates the manifest and\n"
+           "checks every data file's size.")
+      .def("manifest_json", &PyCheckpointReader::ManifestJson)
+      .def("read", &PyCheckpointReader::Read, nb::arg("requests"), nb::arg("pool"),
+           "Reads (kind, index, chunk, address, nbytes) requests in parallel, verified.");
+
+  m.def(
+      "verify",
+      [](const std::string& uri, ThreadPool& pool) {
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          auto storage = OpenStorage(uri, /*create=*/false);
+          if (!storage.ok()) {
+            s = storage.status().code() == StatusCode::kNotFound
+                    ? NotFoundError("no such checkpoint: " + uri)
+                    : storage.status();
+          } else {
+            s = Verify(storage->get(), "", &pool);
+          }
+        }
+        ThrowIfError(s);
+      },
+      nb::arg("uri"), nb::arg("pool"), "Checks every byte of the checkpoint at `uri`.");
+
+  m.def(
+      "latest_valid",
+      [](const std::string& uri) {
+        Result<std::optional<std::string>> r = std::optional<std::string>();
+        {
+          nb::gil_scoped_release release;
+          auto storage = OpenStorage(uri, /*create=*/false);
+          if (!storage.ok()) {
+            r = storage.status().code() == StatusCode::kNotFound
+                    ? NotFoundError("no such directory: " + uri)
+                    : storage.status();
+          } else {
+            r = LatestValid(storage->get(), "");
+          }
+        }
+        return ValueOrThrow(std::move(r));
+      },
+      nb::arg("root"), "Name of the newest committed checkpoint below `root`, or None.");
+
+  m.def(
+      "list_checkpoints",
+      [](const std::string& uri) {
+        Result<std::vector<CheckpointInfo>> r = std::vector<CheckpointInfo>();
+        {
+          nb::gil_scoped_release release;
+          auto storage = OpenStorage(uri, /*create=*/false);
+          r = storage.ok() ? ListCheckpoints(storage->get(), "") : storage.status();
+        }
+        nb::list out;
+        for (const auto& c : ValueOrThrow(std::move(r))) {
+          nb::dict d;
+          d["name"] = c.name;
+          d["step"] = c.step ? nb::cast(*c.step) : nb::none();
+          d["committed"] = c.committed;
+          d["status"] = c.status.ToString();
+          d["bytes"] = c.bytes;
+          d["created_unix_ms"] = c.created_unix_ms;
+          d["world_size"] = c.world_size;
+          out.append(d);
+        }
+        return out;
+      },
+      nb::arg("root"), "Every directory below `root`, oldest first, as dicts.");
+
+  m.def(
+      "copy_checkpoint",
+      [](const std::string& src, const std::string& dst, ThreadPool& pool, bool direct_io,
+         bool sync, bool verify_destination) {
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          auto in = OpenStorage(src, /*create=*/false);
+          auto out = OpenStorage(dst, /*create=*/true);
+          if (!in.ok()) {
+            s = in.status();
+          } else if (!out.ok()) {
+            s = out.status();
+          } else {
+            CopyOptions opts;
+            opts.direct_io = direct_io;
+            opts.sync = sync;
+            opts.verify_destination = verify_destination;
+            s = CopyCheckpoint(in->get(), "", out->get(), "", &pool, {}, opts);
+          }
+        }
+        ThrowIfError(s);
+      },
+      nb::arg("src"), nb::arg("dst"), nb::arg("pool"), nb::arg("direct_io") = true,
+      nb::arg("sync") = true, nb::arg("verify_destination") = false,
+      "Copies a committed checkpoint; the manifest is committed last at `dst`.");
+}
 
 }  // namespace cairn::python

@@ -1,0 +1,244 @@
+// The checkpoint engine's public C++ API: write data files, commit a
+// manifest, read and verify a checkpoint, find the newest valid one, copy one
+// between storages, and a convenience API for saving named buffers.
+//
+// Usable without Python. A checkpoint lives in a directory `dir` (a key below
+// a Storage's root; "" is the root itself) laid out as in format.h. Every
+// function here is thread-compatible: it may run concurrently with other
+// calls on different checkpoints; it uses the ThreadPool it is given for its
+// parallel I/O and never keeps a reference to it after returning.
+//
+// Durability contract: a checkpoint is committed if and only if its manifest
+// exists. CommitManifest() writes the manifest last, after the data files are
+// synced; writers that reuse a directory first remove an old manifest
+// (UncommitCheckpoint), so a half-rewritten directory is never "valid".
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cairn/format.h"
+#include "cairn/manifest.h"
+#include "cairn/status.h"
+#include "cairn/storage.h"
+#include "cairn/thread_pool.h"
+
+namespace cairn {
+
+// Called with (bytes done, bytes in all) as a long operation advances. It may
+// be called concurrently from pool threads, so it must be thread-safe, and
+// must not block for long.
+using ProgressFn = std::function<void(uint64_t done, uint64_t total)>;
+
+// ---- Writing data files ----------------------------------------------------
+
+// Caller memory to store. It must stay valid and unchanged until the call that
+// uses it returns.
+struct BufferRef {
+  const void* data = nullptr;
+  uint64_t size = 0;
+};
+
+struct DataFileOptions {
+  // Ask the storage for direct I/O (O_DIRECT): data goes to disk without
+  // filling the page cache. Ignored where the backend cannot honour it.
+  bool direct_io = false;
+  // Checksum block size; must match the Manifest's block_size.
+  uint64_t block_size = format::kDefaultBlockSize;
+  // fsync the file before returning. Off only for tests and for tiers where
+  // durability is not wanted (shared memory).
+  bool sync = true;
+};
+
+struct DataFileResult {
+  uint64_t file_size = 0;
+  // One per input buffer, in order; `file` is left 0 for the caller to set.
+  std::vector<ItemLocation> items;
+};
+
+// Writes `buffers` into the new file `key` (replacing any old one): each
+// buffer at the next kItemAlignment-aligned offset, gaps zero. The file is
+// first allocated at its final size so a full disk fails early. Buffers are
+// split into blocks that are checksummed and written in parallel on `pool`,
+// each block hashed while it is hot in cache. On success the file is synced
+// (unless !opts.sync) and closed, and the result has each buffer's location
+// and block checksums.
+Result<DataFileResult> WriteDataFile(Storage* storage, std::string_view key,
+                                     const std::vector<BufferRef>& buffers, ThreadPool* pool,
+                                     const DataFileOptions& opts = {});
+
+// ---- Committing ----------------------------------------------------------
+
+// Commits the checkpoint in `dir`: syncs the directory entries of the data
+// files, writes `m` to a temp file, syncs it, renames it to the manifest name
+// and syncs `dir`. Returns InvalidArgument if `m` is not valid. After an OK
+// return the checkpoint survives a power cut.
+Status CommitManifest(Storage* storage, std::string_view dir, const Manifest& m);
+
+// Removes the manifest of `dir` if there is one (and syncs `dir`), so that
+// rewriting the directory in place never leaves a manifest that describes
+// half-new data. OK when there is no manifest.
+Status UncommitCheckpoint(Storage* storage, std::string_view dir);
+
+// Reads and validates the manifest of `dir`. NotFound if `dir` has no
+// manifest (the checkpoint is partial or absent); DataLoss if it is damaged
+// or invalid; FailedPrecondition for an unknown format version.
+Result<Manifest> ReadManifest(Storage* storage, std::string_view dir);
+
+// ---- Reading -------------------------------------------------------------
+
+// Names one stored item of a manifest.
+struct ItemRef {
+  enum class Kind : uint8_t { kTensorChunk = 0, kBytes = 1 };
+  Kind kind = Kind::kTensorChunk;
+  uint32_t index = 0;  // into Manifest::tensors or Manifest::bytes
+  uint32_t chunk = 0;  // into ManifestTensor::chunks (kTensorChunk only)
+};
+
+// Read a whole item into `dest`, which must have exactly the item's length.
+struct ReadRequest {
+  ItemRef item;
+  void* dest = nullptr;
+  uint64_t size = 0;
+};
+
+// Reads items of one committed checkpoint into caller memory, verifying every
+// block's checksum on the way.
+//
+// Thread-safe: Read() may be called concurrently. Data files are opened on
+// first use and kept open until the reader is destroyed. The reader does not
+// own the Storage, which must outlive it.
+class CheckpointReader {
+ public:
+  // Reads and validates the manifest of `dir` (see ReadManifest).
+  static Result<std::unique_ptr<CheckpointReader>> Open(Storage* storage, std::string dir);
+
+  const Manifest& manifest() const { return manifest_; }
+
+  // Location and human name ("tensor 'w'", "bytes 'step'") of an item;
+  // InvalidArgument for a reference outside the manifest.
+  Result<const ItemLocation*> Locate(const ItemRef& item) const;
+  std::string ItemName(const ItemRef& item) const;
+
+  // Opens every data file and checks that its size is the recorded one, so a
+  // missing or truncated file is reported before any read (DataLoss naming
+  // the file and an item it holds). Cheap: no data is read.
+  Status CheckFiles();
+
+  // Reads every request in parallel on `pool`. On success each dest holds the
+  // item's verified bytes. A checksum mismatch, a truncated or missing data
+  // file is DataLoss naming the file and the tensor, e.g.
+  //   "/ckpt/step_5: data/r1.bin: checksum mismatch in block 3 of tensor 'w'".
+  // On error the contents of the destinations are unspecified.
+  Status Read(const std::vector<ReadRequest>& requests, ThreadPool* pool);
+
+ private:
+  CheckpointReader(Storage* storage, std::string dir, Manifest m)
+      : storage_(storage), dir_(std::move(dir)), manifest_(std::move(m)) {}
+  Result<const ReadableFile*> File(uint32_t index, const std::string& needed_by);
+
+  Storage* storage_;
+  std::string dir_;
+  Manifest manifest_;
+  std::mutex mu_;
+  std::map<uint32_t, std::unique_ptr<ReadableFile>> files_;  // guarded by mu_
+};
+
+// ---- Verification --------------------------------------------------------
+
+// Checks that the data files of `dir` match manifest `m`: every file exists
+// with its exact size, every block of every item has its checksum, and every
+// padding byte between items is zero. Streams the data (bounded memory),
+// in parallel on `pool`. Returns DataLoss naming the first culprit found.
+Status VerifyData(Storage* storage, std::string_view dir, const Manifest& m, ThreadPool* pool,
+                  const ProgressFn& progress = {});
+
+// ReadManifest + VerifyData: is the checkpoint in `dir` intact?
+Status Verify(Storage* storage, std::string_view dir, ThreadPool* pool,
+              const ProgressFn& progress = {});
+
+// ---- Discovery -----------------------------------------------------------
+
+// The step of a checkpoint directory named "step_<N>" (N decimal, no sign),
+// or nullopt for any other name.
+std::optional<uint64_t> ParseStep(std::string_view name);
+
+struct CheckpointInfo {
+  std::string name;  // directory name below the root
+  std::optional<uint64_t> step;
+  bool committed = false;  // has a manifest that decodes and validates
+  Status status;           // why it is not committed (NotFound, DataLoss, ...)
+  uint64_t bytes = 0;      // committed: sum of data files; partial: files found
+  int64_t created_unix_ms = 0;
+  uint64_t world_size = 0;
+};
+
+// Describes every directory directly below `root`, newest last (the order
+// LatestValid uses).
+Result<std::vector<CheckpointInfo>> ListCheckpoints(Storage* storage, std::string_view root);
+
+// The newest committed checkpoint directly below `root`, as its directory
+// name, or nullopt when there is none. Partial directories (no manifest, or a
+// manifest that does not decode and validate) are skipped; data files are not
+// read (use Verify for that).
+//
+// "Newest": directories named step_<N> order by N; they all count as newer
+// than directories with any other name, which order by the manifest's
+// creation time, then by name. NotFound if `root` does not exist.
+Result<std::optional<std::string>> LatestValid(Storage* storage, std::string_view root);
+
+// ---- Copying -------------------------------------------------------------
+
+struct CopyOptions {
+  bool direct_io = true;  // on the destination, where possible
+  bool sync = true;       // fsync destination files (off for memory tiers)
+  // After copying, re-read the destination and verify it (costs a read).
+  // Every block is always verified at the source as it passes through.
+  bool verify_destination = false;
+};
+
+// Copies the committed checkpoint `src_dir` of `src` to `dst_dir` of `dst`:
+// removes a manifest already at the destination, copies the data files in
+// parallel (blocks verified against their checksums in transit), syncs them,
+// optionally verifies the destination, and commits the manifest there last.
+// Corruption at the source is DataLoss naming the file and tensor, and leaves
+// the destination uncommitted.
+Status CopyCheckpoint(Storage* src, std::string_view src_dir, Storage* dst,
+                      std::string_view dst_dir, ThreadPool* pool, const ProgressFn& progress = {},
+                      const CopyOptions& opts = {});
+
+// ---- Convenience: named buffers -------------------------------------------
+
+// A dense, row-major tensor in caller memory.
+struct NamedBuffer {
+  std::string name;
+  std::string dtype;            // "float32", "int64", ... (format::DtypeItemSize)
+  std::vector<uint64_t> shape;  // bytes = prod(shape) * itemsize
+  const void* data = nullptr;
+};
+
+// Saves `buffers` as a one-rank checkpoint in `dir` (data/r0.bin + manifest),
+// durably. InvalidArgument for unknown dtypes or duplicate names.
+Status SaveBuffers(Storage* storage, std::string_view dir, const std::vector<NamedBuffer>& buffers,
+                   ThreadPool* pool, const DataFileOptions& opts = {});
+
+struct LoadedBuffer {
+  std::string name;
+  std::string dtype;
+  std::vector<uint64_t> shape;
+  std::vector<uint8_t> data;
+};
+
+// Loads every tensor of the checkpoint in `dir` (assembling multi-chunk
+// tensors), verified. Bytes items are not returned.
+Result<std::vector<LoadedBuffer>> LoadBuffers(Storage* storage, std::string_view dir,
+                                              ThreadPool* pool);
+
+}  // namespace cairn

@@ -1,0 +1,626 @@
+"""cairn's storage backends for ``torch.distributed.checkpoint`` (DCP).
+
+``Writer`` and ``Reader`` implement DCP's ``StorageWriter`` / ``StorageReader``
+on top of the C++ engine::
+
+    import torch.distributed.checkpoint as dcp, cairn
+    dcp.save(state_dict, storage_writer=cairn.Writer("/ckpt/step_100"))
+    dcp.load(state_dict, storage_reader=cairn.Reader("/ckpt/step_100"))
+
+Saving: every rank writes one data file, ``data/r<rank>.bin``, holding the raw
+bytes of the items DCP's planner assigned to it (replicated tensors are
+deduplicated by the planner, so each is written once), in parallel and
+checksummed, then fsyncs it. The coordinator's ``finish`` turns DCP's
+``Metadata`` into a cairn manifest (JSON inside a checksummed binary envelope,
+never pickle) and commits it last. See docs/format.md.
+
+Loading: ``Reader`` opens and validates the manifest and checks every data
+file's size when it is created (or reset to a new path), so a missing
+checkpoint raises :class:`cairn.NotFoundError` and a damaged manifest or a
+missing/truncated data file raises :class:`cairn.CorruptionError` directly.
+``read_data`` reads every item of the rank's plan in one parallel C++ call,
+straight into the destination tensors when they are contiguous CPU tensors
+covering a whole stored chunk, verifying checksums on the way. A checksum
+mismatch found during ``dcp.load`` surfaces, as DCP does for every storage
+error in a collective step, inside a ``CheckpointException`` whose
+``failures`` hold the :class:`cairn.CorruptionError`.
+
+A path without a cairn manifest that holds a checkpoint written by stock
+``dcp.save`` (filesystem writer) is read through ``cairn._stock.StockReader``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import time
+import uuid
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from cairn import _ext
+from cairn.errors import InvalidArgumentError, NotFoundError
+
+try:  # written by another part of cairn; optional until it is merged
+    from cairn._stock import StockReader, is_stock_checkpoint
+except ImportError:  # pragma: no cover - depends on the build
+    StockReader = None
+
+    def is_stock_checkpoint(path: str) -> bool:  # noqa: ARG001
+        return False
+
+
+__all__ = ["Writer", "Reader"]
+
+
+# ---- helpers ----------------------------------------------------------------
+
+
+def _uri(path: str | os.PathLike | None) -> str:
+    """The storage URI of a checkpoint path: a directory, file://DIR or shm://NAME."""
+    if path is None:
+        raise InvalidArgumentError(
+            "no checkpoint path: pass one to cairn.Writer/Reader or as checkpoint_id"
+        )
+    s = os.fspath(path)
+    if not isinstance(s, str) or not s:
+        raise InvalidArgumentError(f"invalid checkpoint path {path!r}")
+    if "://" in s and not s.startswith(("file://", "shm://")):
+        raise InvalidArgumentError(f"unsupported checkpoint URI scheme: {s}")
+    return s
+
+
+def _local_path(uri: str) -> str | None:
+    if uri.startswith("file://"):
+        return uri[len("file://") :]
+    if uri.startswith("shm://"):
+        return "/dev/shm/" + uri[len("shm://") :]
+    return uri
+
+
+def _default_threads() -> int:
+    return max(4, min(16, os.cpu_count() or 4))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if _ext.dtype_itemsize(name) == 0:
+        raise InvalidArgumentError(f"cairn cannot store tensors of dtype {dtype}")
+    return name
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise InvalidArgumentError(f"checkpoint uses dtype {name!r}, unknown to this torch")
+    return dt
+
+
+_MEMORY_FORMATS = {
+    "contiguous_format": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "channels_last_3d": torch.channels_last_3d,
+    "preserve_format": torch.preserve_format,
+}
+
+
+def _encode(value: Any) -> Any:
+    """Encodes DCP planner data (nested dicts/lists/tuples of scalars) as JSON.
+
+    Dicts and tuples are tagged so they decode to the same types; anything
+    else is refused: cairn never pickles.
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v) for v in value]}
+    if isinstance(value, dict):
+        return {"__dict__": [[_encode(k), _encode(v)] for k, v in value.items()]}
+    raise InvalidArgumentError(
+        f"cannot store planner data of type {type(value).__name__} in a cairn manifest "
+        "(only dicts, lists, tuples and scalars: cairn never pickles)"
+    )
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"} and isinstance(value["__tuple__"], list):
+            return tuple(_decode(v) for v in value["__tuple__"])
+        if set(value) == {"__dict__"} and isinstance(value["__dict__"], list):
+            out = {}
+            for pair in value["__dict__"]:
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise InvalidArgumentError("malformed planner data in the manifest")
+                key = _decode(pair[0])
+                if isinstance(key, list):
+                    raise InvalidArgumentError("malformed planner data in the manifest")
+                out[key] = _decode(pair[1])
+            return out
+        raise InvalidArgumentError("malformed planner data in the manifest")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankFile:
+    """SavePlan.storage_data: the data file a rank writes."""
+
+    key: str
+
+
+class _Location(NamedTuple):
+    """WriteResult.storage_data: where one item went (small and picklable)."""
+
+    file: str
+    file_size: int
+    offset: int
+    length: int
+    checksums: tuple[int, ...]
+
+
+class _Item(NamedTuple):
+    """Reader-side storage_data: a manifest item (kind 0 tensor chunk, 1 bytes)."""
+
+    kind: int
+    index: int
+    chunk: int
+    length: int
+
+
+# ---- Writer -----------------------------------------------------------------
+
+
+class Writer(StorageWriter):
+    """A DCP ``StorageWriter`` that writes a cairn checkpoint to ``path``.
+
+    Args:
+        path: checkpoint directory, ``file://DIR`` or ``shm://NAME``. May be
+            omitted when ``dcp.save`` is given ``checkpoint_id``.
+        thread_count: I/O threads per rank (default: between 4 and 16).
+        direct_io: write with O_DIRECT where the filesystem allows it.
+        sync: fsync data files and the manifest (turn off only for tiers that
+            need no durability, e.g. shared memory).
+        block_size: checksum block size in bytes.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        thread_count: int | None = None,
+        direct_io: bool = True,
+        sync: bool = True,
+        block_size: int = _ext.DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        super().__init__()
+        self.path = None if path is None else _uri(path)
+        self.thread_count = thread_count or _default_threads()
+        self.direct_io = direct_io
+        self.sync = sync
+        self.block_size = block_size
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+        self._pool: _ext.ThreadPool | None = None
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = _uri(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        _uri(self.path)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Runs on the coordinator before any rank writes: an old manifest in
+        # the directory must go first, or it would "commit" half-new data.
+        _ext.uncommit(_uri(self.path))
+        return [
+            dataclasses.replace(plan, storage_data=_RankFile(f"data/r{rank}.bin"))
+            for rank, plan in enumerate(plans)
+        ]
+
+    def _thread_pool(self) -> _ext.ThreadPool:
+        if self._pool is None:
+            self._pool = _ext.ThreadPool(self.thread_count)
+        return self._pool
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fut: Future[list[WriteResult]] = Future()
+        if not plan.items:
+            fut.set_result([])
+            return fut
+        key = plan.storage_data.key if isinstance(plan.storage_data, _RankFile) else "data/r0.bin"
+        keep_alive: list[Any] = []
+        buffers: list[tuple[int, int]] = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                if isinstance(data, io.BytesIO):
+                    data = data.getbuffer()
+                arr = np.frombuffer(data, dtype=np.uint8)
+                keep_alive.append(arr)
+                buffers.append((arr.ctypes.data, arr.nbytes))
+            else:
+                t = data.detach()
+                if t.device.type != "cpu":
+                    t = t.cpu()
+                t = t.contiguous()
+                keep_alive.append(t)
+                buffers.append((t.data_ptr(), t.numel() * t.element_size()))
+        file_size, locations = _ext.write_data_file(
+            _uri(self.path),
+            key,
+            buffers,
+            self._thread_pool(),
+            direct_io=self.direct_io,
+            sync=self.sync,
+            block_size=self.block_size,
+        )
+        del keep_alive
+        results = [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=length,
+                storage_data=_Location(key, file_size, offset, length, tuple(sums)),
+            )
+            for item, (offset, length, sums) in zip(plan.items, locations)
+        ]
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        body = _manifest_body(metadata, results, self.block_size, self.path, self.save_id)
+        _ext.commit_manifest(_uri(self.path), json.dumps(body, separators=(",", ":")))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            _uri(checkpoint_id)
+        except (InvalidArgumentError, TypeError):
+            return False
+        return True
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+
+def _manifest_body(
+    metadata: Metadata,
+    results: list[list[WriteResult]],
+    block_size: int,
+    path: str | None,
+    save_id: str,
+) -> dict[str, Any]:
+    """Builds the manifest JSON body (docs/format.md) from DCP's Metadata."""
+    locations: dict[MetadataIndex, _Location] = {}
+    file_sizes: dict[str, int] = {}
+    for rank_results in results:
+        for wr in rank_results:
+            loc = wr.storage_data
+            if not isinstance(loc, _Location):
+                raise InvalidArgumentError(f"unexpected write result for {wr.index.fqn!r}")
+            locations[wr.index] = loc
+            file_sizes[loc.file] = loc.file_size
+    file_keys = sorted(file_sizes, key=lambda k: (len(k), k))
+    file_index = {k: i for i, k in enumerate(file_keys)}
+
+    def location(index: MetadataIndex) -> dict[str, Any]:
+        loc = locations.get(index)
+        if loc is None:
+            raise InvalidArgumentError(f"no data was written for {index.fqn!r} {index.offset}")
+        return {
+            "file": file_index[loc.file],
+            "offset": loc.offset,
+            "length": loc.length,
+            "checksums": [f"{c:016x}" for c in loc.checksums],
+        }
+
+    tensors = []
+    bytes_items = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            props = md.properties
+            chunks = []
+            for ch in md.chunks:
+                entry = location(MetadataIndex(fqn, ch.offsets))
+                entry["offsets"] = list(ch.offsets)
+                entry["sizes"] = list(ch.sizes)
+                chunks.append(entry)
+            tensors.append(
+                {
+                    "fqn": fqn,
+                    "dtype": _dtype_name(props.dtype),
+                    "shape": list(md.size),
+                    "requires_grad": bool(props.requires_grad),
+                    "layout": str(props.layout).removeprefix("torch."),
+                    "memory_format": str(props.memory_format).removeprefix("torch."),
+                    "pin_memory": bool(props.pin_memory),
+                    "chunks": chunks,
+                }
+            )
+        elif isinstance(md, BytesStorageMetadata):
+            entry = location(MetadataIndex(fqn))
+            entry["fqn"] = fqn
+            bytes_items.append(entry)
+        else:
+            raise InvalidArgumentError(f"unsupported DCP storage metadata for {fqn!r}: {md!r}")
+
+    sm = metadata.storage_meta
+    return {
+        "format_version": _ext.FORMAT_VERSION,
+        "checksum": _ext.CHECKSUM_ALGORITHM,
+        "world_size": max(1, len(results)),
+        "block_size": block_size,
+        "created_unix_ms": int(time.time() * 1000),
+        "files": [{"key": k, "size": file_sizes[k]} for k in file_keys],
+        "tensors": tensors,
+        "bytes": bytes_items,
+        "extra": {
+            "dcp": {
+                "version": metadata.version,
+                "planner_data": _encode(metadata.planner_data),
+                "storage_meta": None
+                if sm is None
+                else {
+                    "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
+                    "save_id": sm.save_id,
+                    "modules": list(sm.modules),
+                },
+            },
+            "save_id": save_id,
+            "path": path,
+        },
+    }
+
+
+# ---- Reader -----------------------------------------------------------------
+
+
+class Reader(StorageReader):
+    """A DCP ``StorageReader`` for cairn checkpoints (and stock DCP ones).
+
+    Args:
+        path: checkpoint directory, ``file://DIR`` or ``shm://NAME``. May be
+            omitted when ``dcp.load`` is given ``checkpoint_id``.
+        thread_count: I/O threads (default: between 4 and 16).
+
+    Raises (from the constructor or ``reset``): :class:`cairn.NotFoundError`
+    when there is no committed checkpoint at ``path``;
+    :class:`cairn.CorruptionError` when its manifest is damaged or a data file
+    is missing or truncated.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike | None = None, *, thread_count: int | None = None
+    ) -> None:
+        super().__init__()
+        self.path: str | None = None
+        self.thread_count = thread_count or _default_threads()
+        self.load_id = uuid.uuid4().hex
+        self._pool: _ext.ThreadPool | None = None
+        self._reader: _ext.CheckpointReader | None = None
+        self._stock: StorageReader | None = None
+        self._metadata: Metadata | None = None
+        self._items: dict[MetadataIndex, _Item] = {}
+        if path is not None:
+            self._open(_uri(path))
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self.path
+
+    def _open(self, uri: str) -> None:
+        self.path = uri
+        self._reader = None
+        self._stock = None
+        self._metadata = None
+        self._items = {}
+        try:
+            self._reader = _ext.CheckpointReader(uri)
+        except NotFoundError:
+            local = _local_path(uri)
+            if (
+                StockReader is not None
+                and not _ext.has_manifest(uri)
+                and local is not None
+                and is_stock_checkpoint(local)
+            ):
+                self._stock = StockReader(local)
+                return
+            raise
+        self._metadata, self._items = _metadata_from_manifest(
+            json.loads(self._reader.manifest_json())
+        )
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.load_id = uuid.uuid4().hex
+        if checkpoint_id is not None:
+            self._open(_uri(checkpoint_id))
+        elif self._stock is not None:
+            self._stock.reset()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._stock is not None:
+            return self._stock.read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            self._open(_uri(self.path))
+        assert self._metadata is not None
+        return self._metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._stock is not None:
+            self._stock.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+            return
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if self._stock is not None:
+            return self._stock.prepare_local_plan(plan)
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        if self._stock is not None:
+            return self._stock.prepare_global_plan(plans)
+        return plans
+
+    def _thread_pool(self) -> _ext.ThreadPool:
+        if self._pool is None:
+            self._pool = _ext.ThreadPool(self.thread_count)
+        return self._pool
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._stock is not None:
+            return self._stock.read_data(plan, planner)
+        if self._reader is None:
+            self._open(_uri(self.path))
+        assert self._reader is not None
+        requests: list[tuple[int, int, int, int, int]] = []
+        # Items that cannot be read in place: (read item, destination, scratch key).
+        copies: list[tuple[Any, torch.Tensor, tuple[int, int, int]]] = []
+        in_place: list[tuple[Any, torch.Tensor]] = []
+        scratch: dict[tuple[int, int, int], Any] = {}
+        byte_reads: list[tuple[Any, np.ndarray]] = []
+        for ri in plan.items:
+            item = self._items.get(ri.storage_index)
+            if item is None:
+                raise InvalidArgumentError(
+                    f"{ri.storage_index.fqn!r} at {ri.storage_index.offset} "
+                    f"is not in the checkpoint at {self.path}"
+                )
+            if ri.type == LoadItemType.BYTE_IO:
+                buf = np.empty(item.length, dtype=np.uint8)
+                requests.append((1, item.index, 0, buf.ctypes.data, item.length))
+                byte_reads.append((ri, buf))
+                continue
+            meta_tensor = self._metadata.state_dict_metadata[ri.storage_index.fqn]
+            chunk = meta_tensor.chunks[item.chunk]
+            dest = planner.resolve_tensor(ri).detach()
+            whole = (
+                all(o == 0 for o in ri.storage_offsets)
+                and tuple(ri.lengths) == tuple(chunk.sizes)
+                and dest.device.type == "cpu"
+                and dest.dtype == meta_tensor.properties.dtype
+                and dest.is_contiguous()
+                and tuple(dest.shape) == tuple(chunk.sizes)
+            )
+            if whole:
+                requests.append(
+                    (0, item.index, item.chunk, dest.data_ptr(), dest.numel() * dest.element_size())
+                )
+                in_place.append((ri, dest))
+                continue
+            key = (0, item.index, item.chunk)
+            if key not in scratch:
+                tmp = torch.empty(
+                    tuple(chunk.sizes), dtype=meta_tensor.properties.dtype, device="cpu"
+                )
+                scratch[key] = tmp
+                requests.append(
+                    (0, item.index, item.chunk, tmp.data_ptr(), tmp.numel() * tmp.element_size())
+                )
+            copies.append((ri, dest, key))
+
+        self._reader.read(requests, self._thread_pool())
+
+        for ri, buf in byte_reads:
+            planner.load_bytes(ri, io.BytesIO(buf.tobytes()))
+        for ri, dest in in_place:
+            planner.commit_tensor(ri, dest)
+        for ri, dest, key in copies:
+            src = scratch[key]
+            for dim, (off, length) in enumerate(zip(ri.storage_offsets, ri.lengths)):
+                src = src.narrow(dim, off, length)
+            if src.shape != dest.shape:
+                raise InvalidArgumentError(
+                    f"{ri.dest_index.fqn!r}: stored region {tuple(src.shape)} does not fit "
+                    f"the destination {tuple(dest.shape)}"
+                )
+            dest.copy_(src)
+            planner.commit_tensor(ri, dest)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return Writer.validate_checkpoint_id(checkpoint_id)
+
+
+def _metadata_from_manifest(body: dict[str, Any]) -> tuple[Metadata, dict[MetadataIndex, _Item]]:
+    """Rebuilds DCP ``Metadata`` from a validated manifest body."""
+    state: dict[str, Any] = {}
+    items: dict[MetadataIndex, _Item] = {}
+    for ti, t in enumerate(body["tensors"]):
+        props = TensorProperties(
+            dtype=_dtype_from_name(t["dtype"]),
+            layout=torch.strided,
+            requires_grad=t["requires_grad"],
+            memory_format=_MEMORY_FORMATS.get(t["memory_format"], torch.contiguous_format),
+            pin_memory=t["pin_memory"],
+        )
+        chunks = []
+        for ci, c in enumerate(t["chunks"]):
+            offsets = torch.Size(c["offsets"])
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(c["sizes"])))
+            items[MetadataIndex(t["fqn"], offsets)] = _Item(0, ti, ci, c["length"])
+        state[t["fqn"]] = TensorStorageMetadata(
+            properties=props, size=torch.Size(t["shape"]), chunks=chunks
+        )
+    for bi, b in enumerate(body["bytes"]):
+        state[b["fqn"]] = BytesStorageMetadata()
+        items[MetadataIndex(b["fqn"])] = _Item(1, bi, 0, b["length"])
+    dcp_extra = body.get("extra", {}).get("dcp", {}) or {}
+    if not isinstance(dcp_extra, dict):
+        raise InvalidArgumentError("malformed 'extra.dcp' section in the manifest")
+    sm = dcp_extra.get("storage_meta")
+    storage_meta = None
+    if isinstance(sm, dict):
+        storage_meta = StorageMeta(
+            checkpoint_id=sm.get("checkpoint_id"),
+            save_id=sm.get("save_id"),
+            modules=list(sm.get("modules") or []),
+        )
+    metadata = Metadata(
+        state_dict_metadata=state,
+        planner_data=_decode(dcp_extra.get("planner_data")),
+        storage_data=items,
+        storage_meta=storage_meta,
+        version=dcp_extra.get("version"),
+    )
+    return metadata, items

@@ -1,0 +1,239 @@
+// Writing a checkpoint: data files, then the manifest.
+//
+// The commit protocol (one place, here):
+//   1. UncommitCheckpoint: if the directory already holds a manifest, delete
+//      it and sync the directory. From now on the directory is partial.
+//   2. Every rank writes its data file(s) with WriteDataFile: allocate the
+//      final size (ENOSPC surfaces now), write blocks in parallel, fsync,
+//      close.
+//   3. Once every data file is durable (the DCP layer knows this after its
+//      gather of write results), one process calls CommitManifest:
+//        a. fsync the data/ directory and the checkpoint directory, so the
+//           data files' directory entries are durable;
+//        b. write the manifest to cairn.manifest.tmp, fsync it, close it;
+//        c. rename it to cairn.manifest (atomic);
+//        d. fsync the checkpoint directory.
+//      A crash before (c) leaves no manifest: the checkpoint is partial and
+//      readers skip it. After (d) it is committed and survives a power cut.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "cairn/checkpoint.h"
+#include "checkpoint/io_util.h"
+
+namespace cairn {
+namespace internal {
+
+char* ThreadPieceBuffer() {
+  thread_local std::unique_ptr<AlignedBuffer> buf;
+  if (!buf) buf = std::make_unique<AlignedBuffer>(kIoPiece);
+  return buf->data();
+}
+
+std::string JoinDir(std::string_view dir, std::string_view key) { return JoinKey(dir, key); }
+
+std::string ChunkName(const ManifestTensor& t, size_t chunk) {
+  std::string s = "tensor '" + t.fqn + "'";
+  if (t.chunks.size() > 1 && chunk < t.chunks.size()) {
+    s += " chunk at [";
+    const auto& off = t.chunks[chunk].offsets;
+    for (size_t i = 0; i < off.size(); ++i) s += (i ? ", " : "") + std::to_string(off[i]);
+    s += "]";
+  }
+  return s;
+}
+
+}  // namespace internal
+
+namespace {
+
+using internal::kIoPiece;
+
+uint64_t AlignUp(uint64_t v) {
+  return (v + format::kItemAlignment - 1) / format::kItemAlignment * format::kItemAlignment;
+}
+
+// Hashes and writes one block [src, src+len) at `file_off`, in pieces so each
+// piece is still in cache when it is written. With direct I/O and a source
+// that is not page aligned, each piece is first copied into the thread's
+// aligned buffer (the hash is taken from that copy), so the storage can send
+// it with O_DIRECT instead of bouncing it again.
+Status WriteBlock(WritableFile* file, const char* src, uint64_t len, uint64_t file_off,
+                  bool direct_io, uint64_t* checksum) {
+  internal::Hasher h;
+  if (!h.ok()) return ResourceExhaustedError("cannot allocate a hash state");
+  bool stage = direct_io && reinterpret_cast<uintptr_t>(src) % format::kItemAlignment != 0;
+  char* piece_buf = stage ? internal::ThreadPieceBuffer() : nullptr;
+  if (stage && !piece_buf) return ResourceExhaustedError("cannot allocate an I/O buffer");
+  for (uint64_t done = 0; done < len;) {
+    uint64_t n = std::min(kIoPiece, len - done);
+    const char* p = src + done;
+    if (stage) {
+      std::memcpy(piece_buf, p, n);
+      p = piece_buf;
+    }
+    h.Update(p, n);
+    CAIRN_RETURN_IF_ERROR(file->WriteAt(file_off + done, p, n));
+    done += n;
+  }
+  *checksum = h.Digest();
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<DataFileResult> WriteDataFile(Storage* storage, std::string_view key,
+                                     const std::vector<BufferRef>& buffers, ThreadPool* pool,
+                                     const DataFileOptions& opts) {
+  const std::string where = storage->Describe() + ": " + std::string(key);
+  if (opts.block_size < format::kMinBlockSize || opts.block_size > format::kMaxBlockSize ||
+      opts.block_size % format::kItemAlignment != 0) {
+    return InvalidArgumentError("block size " + std::to_string(opts.block_size) + " out of range");
+  }
+  DataFileResult result;
+  result.items.resize(buffers.size());
+  uint64_t end = 0;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const BufferRef& b = buffers[i];
+    if (b.size > 0 && b.data == nullptr) {
+      return InvalidArgumentError("buffer " + std::to_string(i) + " is null");
+    }
+    ItemLocation& loc = result.items[i];
+    loc.length = b.size;
+    if (b.size == 0) continue;  // empty items sit at offset 0 and take no space
+    loc.offset = AlignUp(end);
+    end = loc.offset + b.size;
+    loc.checksums.resize(internal::BlockCount(b.size, opts.block_size));
+  }
+  result.file_size = end;
+
+  WriteOptions wopts;
+  wopts.direct_io = opts.direct_io;
+  CAIRN_ASSIGN_OR_RETURN(auto file, storage->NewWritableFile(key, wopts));
+  Status s = file->Allocate(end);
+  if (s.ok()) {
+    TaskGroup group(pool);
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      const char* data = static_cast<const char*>(buffers[i].data);
+      ItemLocation& loc = result.items[i];
+      for (size_t b = 0; b < loc.checksums.size(); ++b) {
+        uint64_t start = b * opts.block_size;
+        uint64_t len = std::min(opts.block_size, loc.length - start);
+        WritableFile* f = file.get();
+        uint64_t* sum = &loc.checksums[b];
+        uint64_t off = loc.offset + start;
+        bool direct = opts.direct_io;
+        group.Run([=] { return WriteBlock(f, data + start, len, off, direct, sum); });
+      }
+    }
+    s = group.Wait();
+  }
+  if (s.ok() && opts.sync) s = file->Sync();
+  Status c = file->Close();
+  if (s.ok()) s = c;
+  if (!s.ok()) return s.WithContext("writing " + where);
+  return result;
+}
+
+Status UncommitCheckpoint(Storage* storage, std::string_view dir) {
+  std::string key = internal::JoinDir(dir, format::kManifestName);
+  CAIRN_ASSIGN_OR_RETURN(bool exists, storage->Exists(key));
+  if (!exists) return Status::OK();
+  CAIRN_RETURN_IF_ERROR(storage->DeleteFile(key));
+  return storage->SyncDir(dir);
+}
+
+Status CommitManifest(Storage* storage, std::string_view dir, const Manifest& m) {
+  const std::string where =
+      "committing " + storage->Describe() + (dir.empty() ? "" : "/") + std::string(dir);
+  auto encoded = EncodeManifest(m);
+  if (!encoded.ok()) return encoded.status().WithContext(where);
+  Status s = [&]() -> Status {
+    std::string data_dir = internal::JoinDir(dir, format::kDataDir);
+    CAIRN_ASSIGN_OR_RETURN(bool has_data, storage->Exists(data_dir));
+    if (has_data) CAIRN_RETURN_IF_ERROR(storage->SyncDir(data_dir));
+    CAIRN_RETURN_IF_ERROR(storage->CreateDir(dir));
+    std::string tmp = internal::JoinDir(dir, format::kManifestTempName);
+    CAIRN_ASSIGN_OR_RETURN(auto f, storage->NewWritableFile(tmp));
+    CAIRN_RETURN_IF_ERROR(f->WriteAt(0, encoded->data(), encoded->size()));
+    CAIRN_RETURN_IF_ERROR(f->Sync());
+    CAIRN_RETURN_IF_ERROR(f->Close());
+    CAIRN_RETURN_IF_ERROR(storage->Rename(tmp, internal::JoinDir(dir, format::kManifestName)));
+    return storage->SyncDir(dir);
+  }();
+  return s.WithContext(where);
+}
+
+Result<Manifest> ReadManifest(Storage* storage, std::string_view dir) {
+  const std::string name = internal::JoinDir(dir, format::kManifestName);
+  const std::string where = storage->Describe() + "/" + name;
+  auto file = storage->NewReadableFile(name);
+  if (!file.ok()) {
+    if (file.status().code() == StatusCode::kNotFound) {
+      CAIRN_ASSIGN_OR_RETURN(bool dir_exists, storage->Exists(dir));
+      return NotFoundError(dir_exists ? "no committed checkpoint at " + storage->Describe() +
+                                            (dir.empty() ? "" : "/") + std::string(dir) + " (no " +
+                                            std::string(format::kManifestName) +
+                                            ": partial or not a cairn checkpoint)"
+                                      : "no such checkpoint: " + storage->Describe() +
+                                            (dir.empty() ? "" : "/") + std::string(dir));
+    }
+    return file.status();
+  }
+  uint64_t size = (*file)->Size();
+  if (size >
+      format::kMaxManifestBodySize + format::kManifestHeaderSize + format::kManifestTrailerSize) {
+    return DataLossError(where + ": manifest of " + std::to_string(size) + " bytes is absurd");
+  }
+  std::string bytes(size, '\0');
+  Status s = (*file)->ReadAt(0, bytes.data(), size);
+  if (!s.ok()) {
+    if (s.code() == StatusCode::kOutOfRange) return DataLossError(where + ": " + s.message());
+    return s.WithContext(where);
+  }
+  auto m = DecodeManifest(bytes);
+  if (!m.ok()) return m.status().WithContext(where);
+  return m;
+}
+
+Status SaveBuffers(Storage* storage, std::string_view dir, const std::vector<NamedBuffer>& buffers,
+                   ThreadPool* pool, const DataFileOptions& opts) {
+  Manifest m;
+  m.world_size = 1;
+  m.block_size = opts.block_size;
+  std::vector<BufferRef> refs;
+  for (const auto& b : buffers) {
+    size_t itemsize = format::DtypeItemSize(b.dtype);
+    if (itemsize == 0) {
+      return InvalidArgumentError("buffer '" + b.name + "': unknown dtype '" + b.dtype + "'");
+    }
+    uint64_t n = itemsize;
+    for (uint64_t d : b.shape) {
+      if (__builtin_mul_overflow(n, d, &n)) {
+        return InvalidArgumentError("buffer '" + b.name + "': shape overflows");
+      }
+    }
+    refs.push_back({b.data, n});
+    ManifestTensor t;
+    t.fqn = b.name;
+    t.dtype = b.dtype;
+    t.shape = b.shape;
+    TensorChunk c;
+    c.offsets.assign(b.shape.size(), 0);
+    c.sizes = b.shape;
+    t.chunks.push_back(std::move(c));
+    m.tensors.push_back(std::move(t));
+  }
+  CAIRN_RETURN_IF_ERROR(UncommitCheckpoint(storage, dir));
+  std::string key = internal::JoinDir(dir, format::DataFileKey(0));
+  CAIRN_ASSIGN_OR_RETURN(DataFileResult r, WriteDataFile(storage, key, refs, pool, opts));
+  m.files.push_back({format::DataFileKey(0), r.file_size});
+  for (size_t i = 0; i < m.tensors.size(); ++i) m.tensors[i].chunks[0].location = r.items[i];
+  m.created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+  return CommitManifest(storage, dir, m);
+}
+
+}  // namespace cairn

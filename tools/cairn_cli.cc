@@ -1,0 +1,212 @@
+// The `cairn` command line tool: inspect, verify and copy checkpoints.
+//
+//   cairn ls ROOT           checkpoints below ROOT: step, size, complete/partial
+//   cairn inspect PATH      tensors, dtypes, shapes, bytes, files of one checkpoint
+//   cairn verify PATH       checks every byte; exit 1 naming the culprit if corrupt
+//   cairn cp SRC DST        copies a committed checkpoint (dirs or shm:// URIs)
+//
+// PATH/ROOT are directories, file://DIR or shm://NAME. Exit codes: 0 ok,
+// 1 corruption or failure, 2 usage or not found.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+
+#include "cairn/checkpoint.h"
+
+namespace {
+
+using cairn::Status;
+
+std::string HumanBytes(uint64_t n) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 4) v /= 1024, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), u ? "%.1f %s" : "%.0f %s", v, units[u]);
+  return buf;
+}
+
+int Fail(const Status& s) {
+  std::fprintf(stderr, "cairn: %s\n", s.ToString().c_str());
+  return s.code() == cairn::StatusCode::kNotFound ? 2 : 1;
+}
+
+// Prints "label 42% (1.2 GiB / 3.0 GiB)" on stderr at most every 200 ms, when
+// stderr is a terminal or the operation is long.
+class Progress {
+ public:
+  explicit Progress(std::string label) : label_(std::move(label)) {}
+  ~Progress() {
+    if (printed_) std::fprintf(stderr, "\n");
+  }
+  void operator()(uint64_t done, uint64_t total) {
+    auto now = std::chrono::steady_clock::now();
+    // The final update always prints; others skip when a thread is printing.
+    std::unique_lock<std::mutex> l(mu_, std::defer_lock);
+    if (done >= total) {
+      l.lock();
+    } else if (!l.try_lock()) {
+      return;
+    }
+    if (done < total && now - last_ < std::chrono::milliseconds(200)) return;
+    last_ = now;
+    printed_ = true;
+    double pct = total ? 100.0 * static_cast<double>(done) / static_cast<double>(total) : 100.0;
+    std::fprintf(stderr, "\r%s %5.1f%% (%s / %s)", label_.c_str(), pct, HumanBytes(done).c_str(),
+                 HumanBytes(total).c_str());
+    std::fflush(stderr);
+  }
+
+ private:
+  std::string label_;
+  std::mutex mu_;
+  std::chrono::steady_clock::time_point last_{};
+  bool printed_ = false;
+};
+
+size_t DefaultThreads() { return std::clamp<size_t>(std::thread::hardware_concurrency(), 4, 16); }
+
+int CmdLs(const std::string& root) {
+  auto storage = cairn::OpenStorage(root, /*create=*/false);
+  if (!storage.ok()) return Fail(storage.status());
+  auto list = cairn::ListCheckpoints(storage->get(), "");
+  if (!list.ok()) return Fail(list.status());
+  std::printf("%-24s %10s %12s %6s  %s\n", "NAME", "STEP", "SIZE", "RANKS", "STATE");
+  for (const auto& c : *list) {
+    std::string step = c.step ? std::to_string(*c.step) : "-";
+    std::string state = c.committed ? "complete" : "partial";
+    if (!c.committed && c.status.code() != cairn::StatusCode::kNotFound) {
+      state += " (" + c.status.ToString() + ")";
+    }
+    std::printf("%-24s %10s %12s %6s  %s\n", c.name.c_str(), step.c_str(),
+                HumanBytes(c.bytes).c_str(),
+                c.committed ? std::to_string(c.world_size).c_str() : "-", state.c_str());
+  }
+  return 0;
+}
+
+int CmdInspect(const std::string& path, bool as_json) {
+  auto storage = cairn::OpenStorage(path, /*create=*/false);
+  if (!storage.ok()) return Fail(storage.status());
+  auto m = cairn::ReadManifest(storage->get(), "");
+  if (!m.ok()) return Fail(m.status());
+  if (as_json) {
+    auto j = cairn::ManifestToJson(*m);
+    if (!j.ok()) return Fail(j.status());
+    std::printf("%s\n", nlohmann::json::parse(*j).dump(2).c_str());
+    return 0;
+  }
+  std::printf("checkpoint  %s\n", storage->get()->Describe().c_str());
+  std::printf("format      v%u, %s per %s block\n", m->version,
+              std::string(cairn::format::kChecksumAlgorithm).c_str(),
+              HumanBytes(m->block_size).c_str());
+  std::printf("ranks       %llu\n", static_cast<unsigned long long>(m->world_size));
+  std::printf("size        %s in %zu files, %zu tensors, %zu other items\n",
+              HumanBytes(m->TotalBytes()).c_str(), m->files.size(), m->tensors.size(),
+              m->bytes.size());
+  std::printf("\nFILES\n");
+  for (const auto& f : m->files) {
+    std::printf("  %-28s %12s\n", f.key.c_str(), HumanBytes(f.size).c_str());
+  }
+  std::printf("\nTENSORS\n  %-48s %-10s %-20s %10s %s\n", "NAME", "DTYPE", "SHAPE", "BYTES",
+              "CHUNKS (file)");
+  for (const auto& t : m->tensors) {
+    std::string shape = "[";
+    for (size_t i = 0; i < t.shape.size(); ++i) {
+      shape += (i ? ", " : "") + std::to_string(t.shape[i]);
+    }
+    shape += "]";
+    uint64_t bytes = 0;
+    std::string where;
+    for (const auto& c : t.chunks) {
+      bytes += c.location.length;
+      std::string key = m->files.empty() ? "-" : m->files[c.location.file].key;
+      if (where.find(key) == std::string::npos) where += (where.empty() ? "" : ",") + key;
+    }
+    std::printf("  %-48s %-10s %-20s %10s %zu (%s)\n", t.fqn.c_str(), t.dtype.c_str(),
+                shape.c_str(), HumanBytes(bytes).c_str(), t.chunks.size(), where.c_str());
+  }
+  if (!m->bytes.empty()) {
+    std::printf("\nOTHER ITEMS\n");
+    for (const auto& b : m->bytes) {
+      std::printf("  %-48s %10s (%s)\n", b.fqn.c_str(), HumanBytes(b.location.length).c_str(),
+                  m->files[b.location.file].key.c_str());
+    }
+  }
+  return 0;
+}
+
+int CmdVerify(const std::string& path, size_t threads) {
+  auto storage = cairn::OpenStorage(path, /*create=*/false);
+  if (!storage.ok()) return Fail(storage.status());
+  cairn::ThreadPool pool(threads);
+  Progress progress("verifying");
+  Status s =
+      cairn::Verify(storage->get(), "", &pool, [&](uint64_t d, uint64_t t) { progress(d, t); });
+  if (!s.ok()) return Fail(s);
+  std::printf("OK: %s\n", storage->get()->Describe().c_str());
+  return 0;
+}
+
+int CmdCp(const std::string& src, const std::string& dst, size_t threads, bool verify) {
+  auto in = cairn::OpenStorage(src, /*create=*/false);
+  if (!in.ok()) return Fail(in.status());
+  auto out = cairn::OpenStorage(dst, /*create=*/true);
+  if (!out.ok()) return Fail(out.status());
+  cairn::ThreadPool pool(threads);
+  cairn::CopyOptions opts;
+  opts.verify_destination = verify;
+  if (dst.rfind("shm://", 0) == 0) opts.sync = false;
+  Progress progress("copying");
+  auto start = std::chrono::steady_clock::now();
+  Status s = cairn::CopyCheckpoint(
+      in->get(), "", out->get(), "", &pool, [&](uint64_t d, uint64_t t) { progress(d, t); }, opts);
+  if (!s.ok()) return Fail(s);
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("copied %s to %s in %.2f s\n", in->get()->Describe().c_str(),
+              out->get()->Describe().c_str(), secs);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"cairn: inspect, verify and copy cairn checkpoints"};
+  app.require_subcommand(1);
+  size_t threads = DefaultThreads();
+  app.add_option("-j,--threads", threads, "I/O threads")->check(CLI::Range(1, 256));
+
+  std::string root, path, src, dst;
+  bool as_json = false, verify_dst = false;
+  auto* ls = app.add_subcommand("ls", "list checkpoints below ROOT (step, size, state)");
+  ls->add_option("ROOT", root, "directory, file://DIR or shm://NAME")->required();
+  auto* inspect = app.add_subcommand("inspect", "show the tensors and files of a checkpoint");
+  inspect->add_option("PATH", path, "checkpoint directory or URI")->required();
+  inspect->add_flag("--json", as_json, "print the manifest body as JSON");
+  auto* verify = app.add_subcommand("verify", "check every byte of a checkpoint");
+  verify->add_option("PATH", path, "checkpoint directory or URI")->required();
+  auto* cp = app.add_subcommand("cp", "copy a committed checkpoint (manifest written last)");
+  cp->add_option("SRC", src, "source checkpoint")->required();
+  cp->add_option("DST", dst, "destination directory or URI")->required();
+  cp->add_flag("--verify", verify_dst, "re-read and verify the destination before committing");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (*ls) return CmdLs(root);
+  if (*inspect) return CmdInspect(path, as_json);
+  if (*verify) return CmdVerify(path, threads);
+  if (*cp) return CmdCp(src, dst, threads, verify_dst);
+  return 2;
+}
