@@ -241,6 +241,16 @@ def test_value_needing_unsafe_unpickling_is_refused_unless_allowed(tmp_path):
     assert sd["obj"] == Custom(7)
 
 
-def test_backend_reader_for_stock_kind_is_cairn_when_available(stock):
-    r = ckpt_backend.reader("stock", str(stock))
-    assert isinstance(r, (StockReader, getattr(cairn, "Reader", StockReader)))
+def test_cairn_reader_loads_a_stock_checkpoint(stock):
+    sd = _blank()
+    _dcp_load(sd, ckpt_backend.reader("stock", str(stock)))
+    assert torch.equal(sd["w"], _state()["w"]) and sd["step"] == 3
+
+
+def test_cairn_reader_refuses_a_hostile_stock_checkpoint(stock):
+    sentinel = stock.parent / SENTINEL_NAME
+    with open(stock / ".metadata", "wb") as f:
+        pickle.dump(_Reduce(os.system, (f"touch {sentinel}",)), f)
+    with pytest.raises(Exception, match="refusing to unpickle"):
+        _dcp_load(_blank(), cairn.Reader(str(stock)))
+    assert not sentinel.exists()
