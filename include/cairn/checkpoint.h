@@ -117,8 +117,11 @@ struct ReadRequest {
 // own the Storage, which must outlive it.
 class CheckpointReader {
  public:
-  // Reads and validates the manifest of `dir` (see ReadManifest).
-  static Result<std::unique_ptr<CheckpointReader>> Open(Storage* storage, std::string dir);
+  // Reads and validates the manifest of `dir` (see ReadManifest). Data files
+  // are opened with `opts` (direct I/O by default: checkpoint data is read
+  // once, so the page cache would only cost a copy).
+  static Result<std::unique_ptr<CheckpointReader>> Open(Storage* storage, std::string dir,
+                                                        const ReadOptions& opts = {true});
 
   const Manifest& manifest() const { return manifest_; }
 
@@ -140,13 +143,14 @@ class CheckpointReader {
   Status Read(const std::vector<ReadRequest>& requests, ThreadPool* pool);
 
  private:
-  CheckpointReader(Storage* storage, std::string dir, Manifest m)
-      : storage_(storage), dir_(std::move(dir)), manifest_(std::move(m)) {}
+  CheckpointReader(Storage* storage, std::string dir, Manifest m, ReadOptions opts)
+      : storage_(storage), dir_(std::move(dir)), manifest_(std::move(m)), opts_(opts) {}
   Result<const ReadableFile*> File(uint32_t index, const std::string& needed_by);
 
   Storage* storage_;
   std::string dir_;
   Manifest manifest_;
+  ReadOptions opts_;
   std::mutex mu_;
   std::map<uint32_t, std::unique_ptr<ReadableFile>> files_;  // guarded by mu_
 };

@@ -207,6 +207,8 @@ class Writer(StorageWriter):
         sync: fsync data files and the manifest (turn off only for tiers that
             need no durability, e.g. shared memory).
         block_size: checksum block size in bytes.
+        user_metadata: a JSON-serializable dict stored in the manifest
+            (``extra.user``); read it back with ``Reader.user_metadata``.
     """
 
     def __init__(
@@ -217,9 +219,12 @@ class Writer(StorageWriter):
         direct_io: bool = True,
         sync: bool = True,
         block_size: int = _ext.DEFAULT_BLOCK_SIZE,
+        user_metadata: dict | None = None,
     ) -> None:
         super().__init__()
         self.path = None if path is None else _uri(path)
+        self.user_metadata = dict(user_metadata or {})
+        json.dumps(self.user_metadata)  # fail early if it cannot be stored
         self.thread_count = thread_count or _default_threads()
         self.direct_io = direct_io
         self.sync = sync
@@ -245,9 +250,10 @@ class Writer(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # Runs on the coordinator before any rank writes: an old manifest in
-        # the directory must go first, or it would "commit" half-new data.
-        _ext.uncommit(_uri(self.path))
+        # Runs on the coordinator before any rank writes (DCP scatters the
+        # plans afterwards): an old manifest in the directory must go first,
+        # or it would "commit" half-new data; old data files go too.
+        _ext.uncommit(_uri(self.path), clear_data=True)
         return [
             dataclasses.replace(plan, storage_data=_RankFile(f"data/r{rank}.bin"))
             for rank, plan in enumerate(plans)
@@ -304,6 +310,7 @@ class Writer(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         body = _manifest_body(metadata, results, self.block_size, self.path, self.save_id)
+        body["extra"]["user"] = self.user_metadata
         _ext.commit_manifest(_uri(self.path), json.dumps(body, separators=(",", ":")))
 
     @classmethod
@@ -436,12 +443,18 @@ class Reader(StorageReader):
         self._stock: StorageReader | None = None
         self._metadata: Metadata | None = None
         self._items: dict[MetadataIndex, _Item] = {}
+        self._user_metadata: dict = {}
         if path is not None:
             self._open(_uri(path))
 
     @property
     def checkpoint_id(self) -> str | None:
         return self.path
+
+    @property
+    def user_metadata(self) -> dict:
+        """The ``user_metadata`` the checkpoint was saved with ({} if none)."""
+        return dict(self._user_metadata)
 
     def _open(self, uri: str) -> None:
         self.path = uri
@@ -462,9 +475,10 @@ class Reader(StorageReader):
                 self._stock = StockReader(local)
                 return
             raise
-        self._metadata, self._items = _metadata_from_manifest(
-            json.loads(self._reader.manifest_json())
-        )
+        body = json.loads(self._reader.manifest_json())
+        self._metadata, self._items = _metadata_from_manifest(body)
+        user = body.get("extra", {}).get("user", {})
+        self._user_metadata = user if isinstance(user, dict) else {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.load_id = uuid.uuid4().hex

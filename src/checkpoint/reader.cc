@@ -25,8 +25,9 @@ std::string Where(Storage* storage, std::string_view dir) {
 // an item stored in it, for the error message.
 Result<std::unique_ptr<ReadableFile>> OpenDataFile(Storage* storage, std::string_view dir,
                                                    const ManifestFile& f,
-                                                   const std::string& needed_by) {
-  auto file = storage->NewReadableFile(internal::JoinDir(dir, f.key));
+                                                   const std::string& needed_by,
+                                                   const ReadOptions& opts = {}) {
+  auto file = storage->NewReadableFile(internal::JoinDir(dir, f.key), opts);
   if (!file.ok()) {
     if (file.status().code() == StatusCode::kNotFound) {
       return DataLossError(f.key + ": data file missing (holds " + needed_by + ")");
@@ -71,11 +72,11 @@ Status ReadBlock(const ReadableFile* file, const ManifestFile& f, const ItemLoca
 
 }  // namespace
 
-Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(Storage* storage,
-                                                                 std::string dir) {
+Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(Storage* storage, std::string dir,
+                                                                 const ReadOptions& opts) {
   CAIRN_ASSIGN_OR_RETURN(Manifest m, ReadManifest(storage, dir));
   return std::unique_ptr<CheckpointReader>(
-      new CheckpointReader(storage, std::move(dir), std::move(m)));
+      new CheckpointReader(storage, std::move(dir), std::move(m), opts));
 }
 
 Result<const ItemLocation*> CheckpointReader::Locate(const ItemRef& item) const {
@@ -106,7 +107,8 @@ Result<const ReadableFile*> CheckpointReader::File(uint32_t index, const std::st
   std::lock_guard<std::mutex> l(mu_);
   auto it = files_.find(index);
   if (it != files_.end()) return it->second.get();
-  CAIRN_ASSIGN_OR_RETURN(auto f, OpenDataFile(storage_, dir_, manifest_.files[index], needed_by));
+  CAIRN_ASSIGN_OR_RETURN(auto f,
+                         OpenDataFile(storage_, dir_, manifest_.files[index], needed_by, opts_));
   const ReadableFile* raw = f.get();
   files_.emplace(index, std::move(f));
   return raw;
@@ -267,7 +269,7 @@ Status VerifyData(Storage* storage, std::string_view dir, const Manifest& m, Thr
   std::vector<std::unique_ptr<ReadableFile>> files(m.files.size());
   for (size_t f = 0; f < m.files.size(); ++f) {
     std::string holder = first_item[f].empty() ? "no items" : first_item[f];
-    auto rf = OpenDataFile(storage, dir, m.files[f], holder);
+    auto rf = OpenDataFile(storage, dir, m.files[f], holder, ReadOptions{true});
     if (!rf.ok()) return rf.status().WithContext(where);
     files[f] = std::move(*rf);
   }
@@ -369,7 +371,8 @@ Status CopyCheckpoint(Storage* src, std::string_view src_dir, Storage* dst,
   };
   std::vector<FilePair> files(m.files.size());
   for (size_t f = 0; f < m.files.size(); ++f) {
-    auto in = OpenDataFile(src, src_dir, m.files[f], "data of " + std::string(m.files[f].key));
+    auto in = OpenDataFile(src, src_dir, m.files[f], "data of " + std::string(m.files[f].key),
+                           ReadOptions{true});
     if (!in.ok()) return in.status().WithContext(where);
     files[f].in = std::move(*in);
     WriteOptions wo;

@@ -155,16 +155,19 @@ void RegisterCheckpoint(nb::module_& m) {
 
   m.def(
       "uncommit",
-      [](const std::string& uri) {
+      [](const std::string& uri, bool clear_data) {
         Status s;
         {
           nb::gil_scoped_release release;
           auto storage = OpenStorage(uri, /*create=*/true);
           s = storage.ok() ? UncommitCheckpoint(storage->get(), "") : storage.status();
+          if (s.ok() && clear_data) s = storage->get()->DeleteDir(format::kDataDir);
         }
         ThrowIfError(s);
       },
-      nb::arg("uri"), "Removes the manifest at `uri` if any: the directory becomes partial.");
+      nb::arg("uri"), nb::arg("clear_data") = false,
+      "Removes the manifest at `uri` if any (the directory becomes partial), and with\n"
+      "clear_data its old data files.");
 
   m.def(
       "has_manifest",

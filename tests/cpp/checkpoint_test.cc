@@ -1,0 +1,355 @@
+// Tests of the checkpoint engine (writer, reader, verify, latest_valid, copy)
+// on the mem and posix backends.
+#include "cairn/checkpoint.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <cstring>
+#include <numeric>
+#include <random>
+
+namespace cairn {
+namespace {
+
+// Owns a storage of the kind under test (posix storages live in a fresh
+// temp directory that is removed afterwards).
+class StorageFixture {
+ public:
+  explicit StorageFixture(const std::string& kind) {
+    if (kind == "mem") {
+      storage_ = NewMemStorage();
+    } else {
+      char tmpl[] = "/tmp/cairn_ckpt_test_XXXXXX";
+      dir_ = mkdtemp(tmpl);
+      storage_ = std::move(NewPosixStorage(dir_)).value();
+    }
+  }
+  ~StorageFixture() {
+    if (!dir_.empty()) storage_->DeleteDir("").IgnoreError();
+    if (!dir_.empty()) ::rmdir(dir_.c_str());
+  }
+  Storage* get() { return storage_.get(); }
+
+ private:
+  std::string dir_;
+  std::unique_ptr<Storage> storage_;
+};
+
+std::string ReadAll(Storage* s, const std::string& key) {
+  auto f = s->NewReadableFile(key);
+  EXPECT_TRUE(f.ok()) << f.status().ToString();
+  std::string out((*f)->Size(), '\0');
+  EXPECT_TRUE((*f)->ReadAt(0, out.data(), out.size()).ok());
+  return out;
+}
+
+void WriteAll(Storage* s, const std::string& key, const std::string& data) {
+  auto f = s->NewWritableFile(key);
+  ASSERT_TRUE(f.ok());
+  ASSERT_TRUE((*f)->WriteAt(0, data.data(), data.size()).ok());
+  ASSERT_TRUE((*f)->Close().ok());
+}
+
+class CheckpointTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  CheckpointTest() : fs_(GetParam()), pool_(4) {
+    a_.resize(3 * 4096 / 4 + 7);  // spans 4 blocks of 4 KiB with a short tail
+    std::iota(a_.begin(), a_.end(), 1.0f);
+    b_ = {1, -2, 3, -4, 5};
+  }
+
+  // Saves a_ ("w", float32), b_ ("b", int64), a scalar and an empty tensor
+  // with 4 KiB checksum blocks into `dir`.
+  Status Save(const std::string& dir) {
+    DataFileOptions opts;
+    opts.block_size = 4096;
+    std::vector<NamedBuffer> bufs = {
+        {"w", "float32", {a_.size()}, a_.data()},
+        {"b", "int64", {5}, b_.data()},
+        {"scalar", "float64", {}, &scalar_},
+        {"empty", "float32", {0, 3}, nullptr},
+    };
+    return SaveBuffers(fs_.get(), dir, bufs, &pool_, opts);
+  }
+
+  StorageFixture fs_;
+  ThreadPool pool_;
+  std::vector<float> a_;
+  std::vector<int64_t> b_;
+  double scalar_ = 2.5;
+};
+
+TEST_P(CheckpointTest, SaveLoadRoundTrip) {
+  ASSERT_TRUE(Save("ck").ok());
+  auto loaded = LoadBuffers(fs_.get(), "ck", &pool_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  ASSERT_EQ(loaded->size(), 4u);
+  const auto& w = (*loaded)[0];
+  EXPECT_EQ(w.name, "w");
+  EXPECT_EQ(w.dtype, "float32");
+  ASSERT_EQ(w.data.size(), a_.size() * 4);
+  EXPECT_EQ(std::memcmp(w.data.data(), a_.data(), w.data.size()), 0);
+  EXPECT_EQ(std::memcmp((*loaded)[1].data.data(), b_.data(), 40), 0);
+  EXPECT_EQ(std::memcmp((*loaded)[2].data.data(), &scalar_, 8), 0);
+  EXPECT_EQ((*loaded)[3].data.size(), 0u);
+  EXPECT_EQ((*loaded)[3].shape, (std::vector<uint64_t>{0, 3}));
+  EXPECT_TRUE(Verify(fs_.get(), "ck", &pool_).ok());
+}
+
+TEST_P(CheckpointTest, ItemsAreAlignedAndChecksummedPerBlock) {
+  ASSERT_TRUE(Save("ck").ok());
+  auto m = ReadManifest(fs_.get(), "ck");
+  ASSERT_TRUE(m.ok());
+  for (const auto& t : m->tensors) {
+    EXPECT_EQ(t.chunks[0].location.offset % format::kItemAlignment, 0u) << t.fqn;
+  }
+  EXPECT_EQ(m->tensors[0].chunks[0].location.checksums.size(), 4u);
+  EXPECT_EQ(m->tensors[3].chunks[0].location.checksums.size(), 0u);
+  EXPECT_EQ(m->files[0].size, *fs_.get()->FileSize("ck/data/r0.bin"));
+}
+
+TEST_P(CheckpointTest, NoManifestIsNotFound) {
+  auto r = CheckpointReader::Open(fs_.get(), "nothing");
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  ASSERT_TRUE(fs_.get()->CreateDir("partial/data").ok());
+  r = CheckpointReader::Open(fs_.get(), "partial");
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(r.status().message().find("partial"), std::string::npos);
+}
+
+TEST_P(CheckpointTest, FlippedDataByteIsDataLossNamingFileAndTensor) {
+  ASSERT_TRUE(Save("ck").ok());
+  auto m = ReadManifest(fs_.get(), "ck");
+  std::string data = ReadAll(fs_.get(), "ck/data/r0.bin");
+  uint64_t off = m->tensors[1].chunks[0].location.offset + 3;  // inside "b"
+  data[off] ^= 1;
+  WriteAll(fs_.get(), "ck/data/r0.bin", data);
+
+  auto loaded = LoadBuffers(fs_.get(), "ck", &pool_);
+  ASSERT_EQ(loaded.status().code(), StatusCode::kDataLoss);
+  const std::string& msg = loaded.status().message();
+  EXPECT_NE(msg.find("data/r0.bin"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("tensor 'b'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("checksum mismatch in block 0"), std::string::npos) << msg;
+
+  Status v = Verify(fs_.get(), "ck", &pool_);
+  EXPECT_EQ(v.code(), StatusCode::kDataLoss);
+  EXPECT_NE(v.message().find("tensor 'b'"), std::string::npos) << v.ToString();
+}
+
+TEST_P(CheckpointTest, FlippedByteInALaterBlockNamesTheBlock) {
+  ASSERT_TRUE(Save("ck").ok());
+  std::string data = ReadAll(fs_.get(), "ck/data/r0.bin");
+  data[2 * 4096 + 10] ^= 0x80;  // block 2 of "w", which starts at 0
+  WriteAll(fs_.get(), "ck/data/r0.bin", data);
+  Status v = Verify(fs_.get(), "ck", &pool_);
+  EXPECT_NE(v.message().find("block 2 of tensor 'w'"), std::string::npos) << v.ToString();
+}
+
+TEST_P(CheckpointTest, FlippedPaddingByteIsDetectedByVerify) {
+  ASSERT_TRUE(Save("ck").ok());
+  auto m = ReadManifest(fs_.get(), "ck");
+  const auto& loc = m->tensors[0].chunks[0].location;
+  std::string data = ReadAll(fs_.get(), "ck/data/r0.bin");
+  data[loc.offset + loc.length + 1] = 1;  // padding after "w"
+  WriteAll(fs_.get(), "ck/data/r0.bin", data);
+  Status v = Verify(fs_.get(), "ck", &pool_);
+  EXPECT_EQ(v.code(), StatusCode::kDataLoss);
+  EXPECT_NE(v.message().find("padding"), std::string::npos) << v.ToString();
+  // Loading only reads items, so it still succeeds with the right values.
+  EXPECT_TRUE(LoadBuffers(fs_.get(), "ck", &pool_).ok());
+}
+
+TEST_P(CheckpointTest, TruncatedDataFileIsDataLossNamingFileAndTensor) {
+  ASSERT_TRUE(Save("ck").ok());
+  std::string data = ReadAll(fs_.get(), "ck/data/r0.bin");
+  WriteAll(fs_.get(), "ck/data/r0.bin", data.substr(0, data.size() - 10));
+  auto loaded = LoadBuffers(fs_.get(), "ck", &pool_);
+  ASSERT_EQ(loaded.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(loaded.status().message().find("data/r0.bin: truncated"), std::string::npos)
+      << loaded.status().ToString();
+  EXPECT_NE(loaded.status().message().find("tensor '"), std::string::npos);
+  EXPECT_EQ(Verify(fs_.get(), "ck", &pool_).code(), StatusCode::kDataLoss);
+}
+
+TEST_P(CheckpointTest, DeletedDataFileIsDataLossNamingFileAndTensor) {
+  ASSERT_TRUE(Save("ck").ok());
+  ASSERT_TRUE(fs_.get()->DeleteFile("ck/data/r0.bin").ok());
+  auto loaded = LoadBuffers(fs_.get(), "ck", &pool_);
+  ASSERT_EQ(loaded.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(loaded.status().message().find("data/r0.bin: data file missing"), std::string::npos)
+      << loaded.status().ToString();
+  EXPECT_NE(loaded.status().message().find("tensor 'w'"), std::string::npos);
+  Status v = Verify(fs_.get(), "ck", &pool_);
+  EXPECT_EQ(v.code(), StatusCode::kDataLoss);
+  EXPECT_NE(v.message().find("data/r0.bin"), std::string::npos);
+}
+
+TEST_P(CheckpointTest, DamagedManifestIsDataLoss) {
+  ASSERT_TRUE(Save("ck").ok());
+  std::string man = ReadAll(fs_.get(), "ck/cairn.manifest");
+  man[man.size() / 2] ^= 4;
+  WriteAll(fs_.get(), "ck/cairn.manifest", man);
+  EXPECT_EQ(CheckpointReader::Open(fs_.get(), "ck").status().code(), StatusCode::kDataLoss);
+  EXPECT_EQ(Verify(fs_.get(), "ck", &pool_).code(), StatusCode::kDataLoss);
+}
+
+TEST_P(CheckpointTest, ReadRejectsWrongDestinationSize) {
+  ASSERT_TRUE(Save("ck").ok());
+  auto reader = CheckpointReader::Open(fs_.get(), "ck");
+  ASSERT_TRUE(reader.ok());
+  std::vector<char> buf(8);
+  ReadRequest r{{ItemRef::Kind::kTensorChunk, 1, 0}, buf.data(), buf.size()};
+  EXPECT_EQ((*reader)->Read({r}, &pool_).code(), StatusCode::kInvalidArgument);
+  r.item.index = 99;
+  EXPECT_EQ((*reader)->Read({r}, &pool_).code(), StatusCode::kInvalidArgument);
+}
+
+TEST_P(CheckpointTest, RewritingADirectoryUncommitsItFirst) {
+  ASSERT_TRUE(Save("ck").ok());
+  ASSERT_TRUE(UncommitCheckpoint(fs_.get(), "ck").ok());
+  EXPECT_EQ(ReadManifest(fs_.get(), "ck").status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(UncommitCheckpoint(fs_.get(), "ck").ok());  // idempotent
+  ASSERT_TRUE(Save("ck").ok());
+  EXPECT_TRUE(Verify(fs_.get(), "ck", &pool_).ok());
+}
+
+TEST_P(CheckpointTest, MultiChunkTensorsFromSeveralFilesAreAssembled) {
+  // A 4x3 int32 tensor sharded by rows over two "ranks" and a 2x4 tensor
+  // sharded by columns, as DCP would store them.
+  std::vector<int32_t> full(12);
+  std::iota(full.begin(), full.end(), 0);
+  std::vector<int32_t> cols_full = {0, 1, 2, 3, 4, 5, 6, 7};
+  std::vector<int32_t> left = {0, 1, 4, 5}, right = {2, 3, 6, 7};
+  Manifest m;
+  m.world_size = 2;
+  m.block_size = 4096;
+  ManifestTensor t{"rows", "int32", {4, 3}, false, "strided", "contiguous_format", false, {}};
+  ManifestTensor c{"cols", "int32", {2, 4}, false, "strided", "contiguous_format", false, {}};
+  for (int rank = 0; rank < 2; ++rank) {
+    std::vector<BufferRef> bufs = {{full.data() + rank * 6, 24},
+                                   {(rank ? right : left).data(), 16}};
+    auto r = WriteDataFile(fs_.get(), "mc/" + format::DataFileKey(rank), bufs, &pool_,
+                           {false, 4096, true});
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    m.files.push_back({format::DataFileKey(rank), r->file_size});
+    r->items[0].file = r->items[1].file = rank;
+    t.chunks.push_back({{uint64_t(rank) * 2, 0}, {2, 3}, r->items[0]});
+    c.chunks.push_back({{0, uint64_t(rank) * 2}, {2, 2}, r->items[1]});
+  }
+  m.tensors = {t, c};
+  ASSERT_TRUE(CommitManifest(fs_.get(), "mc", m).ok());
+  auto loaded = LoadBuffers(fs_.get(), "mc", &pool_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ(std::memcmp((*loaded)[0].data.data(), full.data(), 48), 0);
+  EXPECT_EQ(std::memcmp((*loaded)[1].data.data(), cols_full.data(), 32), 0);
+  EXPECT_TRUE(Verify(fs_.get(), "mc", &pool_).ok());
+}
+
+TEST_P(CheckpointTest, LatestValidSkipsPartialCheckpoints) {
+  ASSERT_TRUE(Save("run/step_10").ok());
+  ASSERT_TRUE(Save("run/step_200").ok());
+  ASSERT_TRUE(Save("run/step_30").ok());
+  // step_300: data but no manifest (crashed before commit).
+  ASSERT_TRUE(Save("run/step_300").ok());
+  ASSERT_TRUE(fs_.get()->DeleteFile("run/step_300/cairn.manifest").ok());
+  // step_400: damaged manifest.
+  ASSERT_TRUE(Save("run/step_400").ok());
+  WriteAll(fs_.get(), "run/step_400/cairn.manifest", "garbage");
+  // A leftover temp manifest only.
+  WriteAll(fs_.get(), "run/step_500/cairn.manifest.tmp", "x");
+  auto latest = LatestValid(fs_.get(), "run");
+  ASSERT_TRUE(latest.ok()) << latest.status().ToString();
+  ASSERT_TRUE(latest->has_value());
+  EXPECT_EQ(**latest, "step_200");
+
+  auto list = ListCheckpoints(fs_.get(), "run");
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 6u);
+  EXPECT_EQ(list->front().name, "step_10");
+  EXPECT_EQ(list->back().name, "step_500");
+  EXPECT_FALSE(list->back().committed);
+  EXPECT_EQ((*list)[4].status.code(), StatusCode::kDataLoss);  // step_400
+}
+
+TEST_P(CheckpointTest, LatestValidOfAnEmptyOrMissingRoot) {
+  ASSERT_TRUE(fs_.get()->CreateDir("empty").ok());
+  auto latest = LatestValid(fs_.get(), "empty");
+  ASSERT_TRUE(latest.ok());
+  EXPECT_FALSE(latest->has_value());
+  EXPECT_EQ(LatestValid(fs_.get(), "missing").status().code(), StatusCode::kNotFound);
+}
+
+TEST_P(CheckpointTest, CopyCheckpointThenVerify) {
+  ASSERT_TRUE(Save("src").ok());
+  StorageFixture other("mem");
+  std::atomic<uint64_t> last{0};
+  CopyOptions opts;
+  opts.verify_destination = true;
+  Status s = CopyCheckpoint(
+      fs_.get(), "src", other.get(), "dst", &pool_, [&](uint64_t d, uint64_t) { last = d; }, opts);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_TRUE(Verify(other.get(), "dst", &pool_).ok());
+  EXPECT_EQ(ReadAll(other.get(), "dst/data/r0.bin"), ReadAll(fs_.get(), "src/data/r0.bin"));
+  auto m = ReadManifest(fs_.get(), "src");
+  EXPECT_GT(last.load(), 0u);
+  auto loaded = LoadBuffers(other.get(), "dst", &pool_);
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_EQ(std::memcmp((*loaded)[0].data.data(), a_.data(), a_.size() * 4), 0);
+}
+
+TEST_P(CheckpointTest, CopyOfACorruptSourceFailsAndLeavesNoCommit) {
+  ASSERT_TRUE(Save("src").ok());
+  std::string data = ReadAll(fs_.get(), "src/data/r0.bin");
+  data[5] ^= 1;
+  WriteAll(fs_.get(), "src/data/r0.bin", data);
+  StorageFixture other("mem");
+  Status s = CopyCheckpoint(fs_.get(), "src", other.get(), "dst", &pool_);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("tensor 'w'"), std::string::npos) << s.ToString();
+  EXPECT_EQ(ReadManifest(other.get(), "dst").status().code(), StatusCode::kNotFound);
+}
+
+TEST_P(CheckpointTest, LargeBuffersRoundTripWithDefaultBlocks) {
+  // 40 MiB: three 16 MiB blocks written and read in parallel, direct I/O
+  // requested from an unaligned source pointer.
+  std::vector<uint8_t> big((40 << 20) + 1);
+  std::mt19937 rng(7);
+  for (auto& x : big) x = static_cast<uint8_t>(rng());
+  DataFileOptions opts;
+  opts.direct_io = true;
+  ASSERT_TRUE(SaveBuffers(fs_.get(), "big", {{"x", "uint8", {big.size() - 1}, big.data() + 1}},
+                          &pool_, opts)
+                  .ok());
+  auto loaded = LoadBuffers(fs_.get(), "big", &pool_);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  ASSERT_EQ((*loaded)[0].data.size(), big.size() - 1);
+  EXPECT_EQ(std::memcmp((*loaded)[0].data.data(), big.data() + 1, big.size() - 1), 0);
+  EXPECT_EQ(ReadManifest(fs_.get(), "big")->tensors[0].chunks[0].location.checksums.size(), 3u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, CheckpointTest, ::testing::Values("mem", "posix"),
+                         [](const auto& info) { return info.param; });
+
+TEST(CheckpointDiscoveryTest, ParseStep) {
+  EXPECT_EQ(ParseStep("step_0"), 0u);
+  EXPECT_EQ(ParseStep("step_1234"), 1234u);
+  EXPECT_FALSE(ParseStep("step_").has_value());
+  EXPECT_FALSE(ParseStep("step_-1").has_value());
+  EXPECT_FALSE(ParseStep("step_12a").has_value());
+  EXPECT_FALSE(ParseStep("ckpt_12").has_value());
+  EXPECT_FALSE(ParseStep("step_99999999999999999999").has_value());
+}
+
+TEST(CheckpointWriterTest, NullBufferIsInvalidArgument) {
+  auto s = NewMemStorage();
+  ThreadPool pool(2);
+  auto r = WriteDataFile(s.get(), "f", {{nullptr, 10}}, &pool);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SaveBuffers(s.get(), "x", {{"a", "object", {1}, "a"}}, &pool).code(),
+            StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace cairn
