@@ -21,10 +21,11 @@ Every figure is the median of ``--reps`` repetitions. It prints a table with the
 ratios SPEC §4 judges (cairn/dcp save and load time, cairn save bandwidth /
 direct-I/O write bandwidth) and writes JSON (default bench/results/checkpoint.json).
 
-Layout for later rows: a floor is a function ``(ctx) -> Sample`` in FLOORS, a
-peer is a ``Peer`` with one function per operation in PEERS; an operation
-function times itself and returns seconds, so new operations (async-save
-stall, memory-tier restore, RSS) are new Peer fields and rows, not new loops.
+Layout for later rows: a floor is a function ``(ctx) -> (seconds, bytes)`` in
+FLOORS, a peer is a ``Peer`` with one function per operation in PEERS; each
+function times one repetition itself, so new operations (async-save stall,
+memory-tier restore, RSS) are new Peer fields and rows, not new loops.
+Repetitions are the outer loop (every floor and peer once per repetition).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import mmap
 import os
 import platform
@@ -70,7 +72,7 @@ def build_state(size_gb: float, layers: int = 16, seed: int = 0) -> dict:
     """
     # elements: layers * 12 d^2 + 8 d^2, times 3 (param + 2 moments), 4 bytes each
     per_d2 = (layers * 12 + 8) * 3 * 4
-    d = max(8, int((size_gb * GB / per_d2) ** 0.5) // 8 * 8)
+    d = max(8, math.ceil((size_gb * GB / per_d2) ** 0.5 / 8) * 8)  # >= size_gb
     shapes = {"embed.weight": (4 * d, d), "head.weight": (4 * d, d)}
     for i in range(layers):
         shapes[f"layers.{i}.attn.qkv.weight"] = (3 * d, d)
@@ -203,16 +205,14 @@ def _aligned_buffer(size: int) -> mmap.mmap:
 DIRECT_CHUNK = 16 << 20
 
 
-def floor_memcpy(ctx: Context) -> Sample:
+def floor_memcpy(ctx: Context) -> tuple[float, int]:
+    """One copy of min(state, 1 GiB) bytes into a pre-faulted buffer."""
     n = min(ctx.nbytes, 1 << 30)
     src = torch.empty(n, dtype=torch.uint8).random_()
     dst = torch.empty(n, dtype=torch.uint8).fill_(0)  # pre-faulted
-    times = []
-    for _ in range(max(ctx.reps, 3)):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return Sample(times, n)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t0, n
 
 
 def _direct_file(ctx: Context) -> tuple[Path, int]:
@@ -220,52 +220,50 @@ def _direct_file(ctx: Context) -> tuple[Path, int]:
     return ctx.scratch / "direct-io.bin", n
 
 
-def floor_direct_write(ctx: Context) -> Sample:
-    """O_DIRECT sequential writes of 16 MiB from an aligned buffer, then fsync."""
+def floor_direct_write(ctx: Context) -> tuple[float, int]:
+    """O_DIRECT sequential writes of 16 MiB from an aligned buffer, then fsync;
+    as many bytes as the state (rounded up to 16 MiB)."""
     path, n = _direct_file(ctx)
     buf = _aligned_buffer(DIRECT_CHUNK)
-    times = []
-    for _ in range(ctx.reps):
-        remove(path)
-        os.sync()
-        t0 = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-        try:
-            for off in range(0, n, DIRECT_CHUNK):
-                if os.pwrite(fd, buf, off) != DIRECT_CHUNK:
-                    raise OSError("short direct write")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(path.parent)
-        times.append(time.perf_counter() - t0)
+    remove(path)
+    os.sync()
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        for off in range(0, n, DIRECT_CHUNK):
+            if os.pwrite(fd, buf, off) != DIRECT_CHUNK:
+                raise OSError("short direct write")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(path.parent)
+    seconds = time.perf_counter() - t0
     buf.close()
-    return Sample(times, n)
+    return seconds, n
 
 
-def floor_direct_read(ctx: Context) -> Sample:
-    """O_DIRECT sequential reads of 16 MiB into an aligned buffer (the file the
-    write floor left)."""
+def floor_direct_read(ctx: Context) -> tuple[float, int]:
+    """O_DIRECT sequential reads of 16 MiB into an aligned buffer, cold, of the
+    file the write floor just wrote (then removed)."""
     path, n = _direct_file(ctx)
     buf = _aligned_buffer(DIRECT_CHUNK)
-    times = []
-    for _ in range(ctx.reps):
-        ctx.cold()
-        t0 = time.perf_counter()
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        try:
-            for off in range(0, n, DIRECT_CHUNK):
-                if os.preadv(fd, [buf], off) != DIRECT_CHUNK:
-                    raise OSError("short direct read")
-        finally:
-            os.close(fd)
-        times.append(time.perf_counter() - t0)
+    ctx.cold()
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        for off in range(0, n, DIRECT_CHUNK):
+            if os.preadv(fd, [buf], off) != DIRECT_CHUNK:
+                raise OSError("short direct read")
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t0
     buf.close()
     remove(path)
-    return Sample(times, n)
+    return seconds, n
 
 
-FLOORS: dict[str, Callable[[Context], Sample]] = {
+# Each floor runs once per repetition and returns (seconds, bytes moved).
+FLOORS: dict[str, Callable[[Context], tuple[float, int]]] = {
     "memcpy": floor_memcpy,
     "direct-I/O write": floor_direct_write,
     "direct-I/O read": floor_direct_read,
@@ -330,6 +328,16 @@ def cairn_load(ctx: Context, path: Path) -> tuple[float, dict]:
     return time.perf_counter() - t0, dest
 
 
+def stock_cairn_load(ctx: Context, path: Path) -> tuple[float, dict]:
+    """cairn.Reader on a checkpoint written by stock dcp.save (the migration path:
+    cairn._stock.StockReader, CRC-checked, no unsafe unpickling)."""
+    dest = like(ctx.state)
+    ctx.cold()
+    t0 = time.perf_counter()
+    dcp.load(dest, storage_reader=cairn.Reader(str(path)))
+    return time.perf_counter() - t0, dest
+
+
 @dataclasses.dataclass
 class Peer:
     save: Callable[[Context], tuple[float, Path]]
@@ -340,21 +348,44 @@ PEERS: dict[str, Peer] = {
     "torch.save": Peer(torch_save, torch_load),
     "dcp": Peer(dcp_save, dcp_load),
     "cairn": Peer(cairn_save, cairn_load),
+    # Not run by default (--peers ...,stock->cairn): loading stock checkpoints.
+    "stock->cairn": Peer(dcp_save, stock_cairn_load),
 }
+DEFAULT_PEERS = ["torch.save", "dcp", "cairn"]
 
 
-def run_peer(ctx: Context, peer: Peer) -> dict[str, Sample]:
-    saves, loads = [], []
+def run_peer_once(ctx: Context, name: str, peer: Peer, check: bool) -> tuple[float, float]:
+    """One save (durable) + one cold load; returns their seconds."""
+    save_s, path = peer.save(ctx)
+    load_s, loaded = peer.load(ctx, path)
+    if check and not same(loaded, ctx.state):
+        raise RuntimeError(f"{name}: the state loaded from {path} differs from the saved one")
+    del loaded
+    remove(path)
+    return save_s, load_s
+
+
+def run_all(ctx: Context, peer_names: list[str]):
+    """Repetitions are the outer loop, so a burst of background load on a shared
+    machine hits every floor and peer alike rather than one peer's reps."""
+    floors: dict[str, Sample] = {}
+    peers: dict[str, dict[str, Sample]] = {}
     for rep in range(ctx.reps):
-        s, path = peer.save(ctx)
-        saves.append(s)
-        l, loaded = peer.load(ctx, path)
-        loads.append(l)
-        if rep == 0 and not same(loaded, ctx.state):
-            raise RuntimeError(f"{path}: loaded state differs from the saved one")
-        del loaded
-        remove(path)
-    return {"save": Sample(saves, ctx.nbytes), "load": Sample(loads, ctx.nbytes)}
+        print(f"rep {rep + 1}/{ctx.reps}:", end="", flush=True)
+        for name, fn in FLOORS.items():
+            seconds, n = fn(ctx)
+            floors.setdefault(name, Sample([], n)).seconds.append(seconds)
+            print(f" {name} {seconds:.2f}s", end="", flush=True)
+        for name in peer_names:
+            save_s, load_s = run_peer_once(ctx, name, PEERS[name], check=rep == 0)
+            ops = peers.setdefault(
+                name, {"save": Sample([], ctx.nbytes), "load": Sample([], ctx.nbytes)}
+            )
+            ops["save"].seconds.append(save_s)
+            ops["load"].seconds.append(load_s)
+            print(f" | {name} save {save_s:.2f}s load {load_s:.2f}s", end="", flush=True)
+        print(flush=True)
+    return floors, peers
 
 
 # --------------------------------------------------------------------------- report
@@ -425,7 +456,11 @@ def main(argv: list[str] | None = None) -> int:
         help="parent of the scratch directory (must be on the disk to measure)",
     )
     ap.add_argument("--json", default=str(REPO / "bench" / "results" / "checkpoint.json"))
-    ap.add_argument("--peers", default=",".join(PEERS), help="comma-separated subset")
+    ap.add_argument(
+        "--peers",
+        default=",".join(DEFAULT_PEERS),
+        help=f"comma-separated, from {list(PEERS)} (default: %(default)s)",
+    )
     ap.add_argument("--no-drop-caches", action="store_true")
     ap.add_argument("--allow-tmpfs", action="store_true", help="allow a RAM-backed scratch")
     args = ap.parse_args(argv)
@@ -462,15 +497,9 @@ def main(argv: list[str] | None = None) -> int:
         "state_tensors": ctx.ntensors,
         "reps": ctx.reps,
     }
-    floors: dict[str, Sample] = {}
-    peers: dict[str, dict[str, Sample]] = {}
+    print(f"state: {ctx.nbytes / GB:.2f} GB in {ctx.ntensors} tensors; scratch {scratch}")
     try:
-        for name, fn in FLOORS.items():
-            print(f"floor {name} ...", flush=True)
-            floors[name] = fn(ctx)
-        for name in args.peers.split(","):
-            print(f"peer {name} ...", flush=True)
-            peers[name] = run_peer(ctx, PEERS[name])
+        floors, peers = run_all(ctx, args.peers.split(","))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

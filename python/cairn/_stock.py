@@ -32,8 +32,9 @@ metadata in three steps:
    ``weights_only=False``) only if they also decode with ``weights_only=True``,
    unless the caller passes ``allow_pickle=True``.
 
-Files are read in parallel (one task per data file); calls into the planner are
-serialized by a lock because DCP planners are not thread-safe.
+Items are read, verified and copied in parallel on a small thread pool (the
+heavy calls release the GIL); calls into the planner are serialized by a lock
+because DCP planners are not thread-safe.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ import os
 import pathlib
 import pickle
 import struct
+import sys
 import threading
+import warnings
 import zipfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -475,36 +478,192 @@ _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_MAGIC = b"PK\x03\x04"
 
 
-def _check_zip_crcs(data: bytes, where: str) -> None:
-    """Verifies every entry's CRC32 in a torch.save zip held in ``data``."""
-    view = memoryview(data)
+class _MemFile(io.RawIOBase):
+    """A read-only, seekable file over a buffer, without copying it (zipfile
+    only reads the small central directory through it)."""
+
+    def __init__(self, buf) -> None:
+        super().__init__()
+        self._view = memoryview(buf)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        b[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+class _Archive:
+    """The entries of one torch.save zip held in memory: name -> (start, end)
+    of its stored bytes. Verifies CRC32s when asked."""
+
+    def __init__(self, buf, where: str, verify_crc: bool) -> None:
+        view = memoryview(buf)
+        try:
+            infos = zipfile.ZipFile(_MemFile(buf)).infolist()
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+            raise CorruptionError(f"{where}: not a torch.save archive ({e})") from e
+        self.entries: dict[str, tuple[int, int]] = {}
+        self.stored = True
+        for info in infos:
+            h = info.header_offset
+            if h < 0 or h + _LOCAL_HEADER.size > len(view):
+                raise CorruptionError(f"{where}: zip entry {info.filename} out of range")
+            fields = _LOCAL_HEADER.unpack_from(view, h)
+            if fields[0] != _LOCAL_MAGIC:
+                raise CorruptionError(f"{where}: zip entry {info.filename} has a bad header")
+            start = h + _LOCAL_HEADER.size + fields[9] + fields[10]
+            end = start + info.compress_size
+            if end > len(view):
+                raise CorruptionError(f"{where}: zip entry {info.filename} is truncated")
+            if info.compress_type != zipfile.ZIP_STORED:
+                self.stored = False  # torch.save never compresses; let torch.load try
+                continue
+            if verify_crc and zlib.crc32(view[start:end]) != info.CRC:
+                raise CorruptionError(
+                    f"{where}: checksum mismatch in {info.filename} (if it was saved "
+                    "with CRC32 disabled, pass verify_crc=False)"
+                )
+            self.entries[info.filename] = (start, end)
+
+
+# torch.save's legacy storage classes, as named in data.pkl, and their dtypes.
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32,
+    "DoubleStorage": torch.float64,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128,
+}
+
+
+class _NotSimple(Exception):
+    """data.pkl is not the plain one-tensor form: decode with torch.load."""
+
+
+class _TensorRecipe(pickle.Unpickler):
+    """Decodes the data.pkl of ``torch.save(tensor)`` into (storage key, dtype,
+    numel, storage offset, size, stride) without building anything: only the
+    rebuild function, OrderedDict and storage classes are recognised, and
+    anything else means "not simple" (the caller falls back to torch.load with
+    weights_only=True)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _recipe
+        if (module, name) == ("collections", "OrderedDict"):
+            return _empty_hooks
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return ("storage_type", _STORAGE_DTYPES[name])
+        raise _NotSimple(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if (
+            isinstance(pid, tuple)
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and isinstance(pid[1], tuple)
+            and pid[1][:1] == ("storage_type",)
+            and isinstance(pid[2], str)
+            and type(pid[4]) is int
+        ):
+            return ("storage", pid[1][1], pid[2], pid[4])
+        raise _NotSimple("storage id")
+
+
+def _empty_hooks(*args: Any) -> dict:
+    if args:
+        raise _NotSimple("hooks")
+    return {}
+
+
+def _recipe(storage, offset, size, stride, requires_grad, hooks, *rest) -> tuple:
+    if not (
+        isinstance(storage, tuple)
+        and storage[:1] == ("storage",)
+        and type(offset) is int
+        and isinstance(size, tuple)
+        and isinstance(stride, tuple)
+        and len(size) == len(stride)
+        and all(type(x) is int for x in size + stride)
+        and not hooks
+        and (not rest or rest[0] in (None, {}))
+    ):
+        raise _NotSimple("rebuild arguments")
+    _, dtype, key, numel = storage
+    return ("tensor", dtype, key, numel, offset, size, stride)
+
+
+def _decode_tensor(buf: bytearray, where: str, verify_crc: bool) -> torch.Tensor:
+    """The tensor of a torch.save item held in ``buf``: a strided view of
+    ``buf`` itself when the archive has the plain one-tensor form (no copy),
+    else torch.load(weights_only=True)."""
+    archive = _Archive(buf, where, verify_crc)
+    view = memoryview(buf)
+    pkl = [n for n in archive.entries if n.endswith("/data.pkl") and n.count("/") == 1]
     try:
-        zf = zipfile.ZipFile(io.BytesIO(data))
-        infos = zf.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError) as e:
-        raise CorruptionError(f"{where}: not a torch.save archive ({e})") from e
-    for info in infos:
-        h = info.header_offset
-        if h < 0 or h + _LOCAL_HEADER.size > len(data):
-            raise CorruptionError(f"{where}: zip entry {info.filename} out of range")
-        fields = _LOCAL_HEADER.unpack_from(view, h)
-        if fields[0] != _LOCAL_MAGIC:
-            raise CorruptionError(f"{where}: zip entry {info.filename} has a bad header")
-        start = h + _LOCAL_HEADER.size + fields[9] + fields[10]
-        end = start + info.compress_size
-        if end > len(data):
-            raise CorruptionError(f"{where}: zip entry {info.filename} is truncated")
-        if info.compress_type != zipfile.ZIP_STORED:
-            try:
-                zf.read(info)  # zipfile checks the CRC itself
-            except (zipfile.BadZipFile, ValueError, OSError, zlib.error) as e:
-                raise CorruptionError(f"{where}: {info.filename}: {e}") from e
-            continue
-        if zlib.crc32(view[start:end]) != info.CRC:
-            raise CorruptionError(
-                f"{where}: checksum mismatch in {info.filename} (if it was saved with "
-                "CRC32 disabled, pass verify_crc=False)"
-            )
+        if not archive.stored or len(pkl) != 1:
+            raise _NotSimple("layout")
+        prefix = pkl[0][: -len("data.pkl")]
+        order = archive.entries.get(prefix + "byteorder")
+        if order is not None and bytes(view[order[0] : order[1]]) != sys.byteorder.encode():
+            raise _NotSimple("byte order")
+        s, e = archive.entries[pkl[0]]
+        recipe = _TensorRecipe(io.BytesIO(view[s:e])).load()
+        if not (isinstance(recipe, tuple) and recipe[:1] == ("tensor",)):
+            raise _NotSimple("not a tensor")
+    except _NotSimple:
+        try:
+            t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CorruptionError(f"{where}: undecodable tensor item ({e})") from e
+        if not isinstance(t, torch.Tensor):
+            raise CorruptionError(f"{where}: item is a {type(t).__name__}, not a tensor")
+        return t
+    except CorruptionError:
+        raise
+    except Exception as e:  # malformed data.pkl
+        raise CorruptionError(f"{where}: undecodable tensor item ({e})") from e
+
+    _, dtype, key, numel, offset, size, stride = recipe
+    rng = archive.entries.get(f"{prefix}data/{key}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if rng is None or rng[1] - rng[0] != numel * itemsize:
+        raise CorruptionError(f"{where}: tensor storage is missing or has the wrong size")
+    if any(d < 0 for d in size) or any(st < 0 for st in stride) or offset < 0:
+        raise CorruptionError(f"{where}: negative tensor geometry")
+    if 0 not in size:
+        extent = offset + 1 + sum((d - 1) * st for d, st in zip(size, stride))
+        if extent > numel:
+            raise CorruptionError(f"{where}: tensor view exceeds its storage")
+    if numel == 0:
+        return torch.empty(size, dtype=dtype)
+    with warnings.catch_warnings():  # frombuffer warns about writable buffers
+        warnings.simplefilter("ignore")
+        flat = torch.frombuffer(buf, dtype=dtype, count=numel, offset=rng[0])
+    return flat.as_strided(size, stride, offset)
 
 
 class StockReader(StorageReader):
@@ -514,11 +673,13 @@ class StockReader(StorageReader):
     Supports loading on any world size (resharding: each request is narrowed to
     the slice the destination needs). One instance serves one ``dcp.load`` at a
     time; ``read_data`` uses an internal thread pool that it joins before
-    returning.
+    returning. A tensor item in torch.save's plain one-tensor form is viewed in
+    place in the bytes read (one copy, into the destination); other forms are
+    decoded with ``torch.load(weights_only=True)``.
 
     Args:
         path: the checkpoint directory (or ``file://`` URI).
-        thread_count: data files read in parallel.
+        thread_count: items read in parallel (default: CPUs, at most 8).
         verify_crc: check each tensor item's zip CRC32s (torch.save writes them).
         allow_pickle: hand non-tensor items that need arbitrary unpickling to the
             planner anyway. Only for checkpoints you trust.
@@ -581,16 +742,30 @@ class StockReader(StorageReader):
                     f"{self.path}: no data location for {req.storage_index.fqn!r}"
                 )
             per_file[info.relative_path].append(req)
+        fds: dict[str, tuple[int, int]] = {}  # relative path -> (fd, size)
+        try:
+            jobs = []
+            for rel, reqs in per_file.items():
+                fds[rel] = self._open_data_file(rel, reqs[0].storage_index.fqn)
+                reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
+                jobs += [(rel, req) for req in reqs]
+            # Items are independent: read, verify and copy them in parallel
+            # (preadv, crc32 and copy_ all release the GIL).
+            if self.thread_count <= 1 or len(jobs) <= 1:
+                for rel, req in jobs:
+                    self._read_item(rel, *fds[rel], req, planner)
+            else:
+                with ThreadPoolExecutor(min(self.thread_count, len(jobs))) as pool:
+                    futures = [
+                        pool.submit(self._read_item, rel, *fds[rel], req, planner)
+                        for rel, req in jobs
+                    ]
+                    for f in futures:
+                        f.result()
+        finally:
+            for fd, _ in fds.values():
+                os.close(fd)
         fut: Future[None] = Future()
-        jobs = list(per_file.items())
-        if len(jobs) <= 1 or self.thread_count <= 1:
-            for rel, reqs in jobs:
-                self._read_file(rel, reqs, planner)
-        else:
-            with ThreadPoolExecutor(min(self.thread_count, len(jobs))) as pool:
-                futures = [pool.submit(self._read_file, r, q, planner) for r, q in jobs]
-                for f in futures:
-                    f.result()
         fut.set_result(None)
         return fut
 
@@ -604,42 +779,35 @@ class StockReader(StorageReader):
 
     # -- internals ---------------------------------------------------------
 
-    def _read_file(self, rel: str, reqs: list, planner: LoadPlanner) -> None:
+    def _open_data_file(self, rel: str, fqn: str) -> tuple[int, int]:
         fname = os.path.join(self.path, rel)
-        first = reqs[0].storage_index.fqn
         try:
             fd = os.open(fname, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError as e:
-            raise CorruptionError(
-                f"{fname}: data file of tensor {first!r} is missing"
-            ) from e
+            raise CorruptionError(f"{fname}: data file of tensor {fqn!r} is missing") from e
         except OSError as e:
             raise CorruptionError(
-                f"{fname}: cannot open data file of tensor {first!r}: {e.strerror}"
+                f"{fname}: cannot open data file of tensor {fqn!r}: {e.strerror}"
             ) from e
-        try:
-            file_size = os.fstat(fd).st_size
-            reqs = sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset)
-            for req in reqs:
-                info = self.storage_data[req.storage_index]
-                fqn = req.storage_index.fqn
-                where = f"{fname}: tensor {fqn!r}"
-                if info.offset + info.length > file_size:
-                    raise CorruptionError(
-                        f"{where}: data file is truncated (item ends at "
-                        f"{info.offset + info.length}, file has {file_size} bytes)"
-                    )
-                data = os.pread(fd, info.length, info.offset)
-                if len(data) != info.length:
-                    raise CorruptionError(f"{where}: short read")
-                if req.type == LoadItemType.BYTE_IO:
-                    self._load_bytes(req, data, where, planner)
-                else:
-                    self._load_tensor(req, data, where, planner)
-        finally:
-            os.close(fd)
+        return fd, os.fstat(fd).st_size
 
-    def _load_bytes(self, req, data: bytes, where: str, planner: LoadPlanner) -> None:
+    def _read_item(self, rel: str, fd: int, file_size: int, req, planner) -> None:
+        info = self.storage_data[req.storage_index]
+        where = f"{os.path.join(self.path, rel)}: tensor {req.storage_index.fqn!r}"
+        if info.offset + info.length > file_size:
+            raise CorruptionError(
+                f"{where}: data file is truncated (item ends at "
+                f"{info.offset + info.length}, file has {file_size} bytes)"
+            )
+        data = bytearray(info.length)
+        if info.length and os.preadv(fd, [data], info.offset) != info.length:
+            raise CorruptionError(f"{where}: short read")
+        if req.type == LoadItemType.BYTE_IO:
+            self._load_bytes(req, data, where, planner)
+        else:
+            self._load_tensor(req, data, where, planner)
+
+    def _load_bytes(self, req, data: bytearray, where: str, planner: LoadPlanner) -> None:
         if not self.allow_pickle:
             try:
                 torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -654,15 +822,8 @@ class StockReader(StorageReader):
         with self._lock:
             planner.load_bytes(req, io.BytesIO(data))
 
-    def _load_tensor(self, req, data: bytes, where: str, planner: LoadPlanner) -> None:
-        if self.verify_crc:
-            _check_zip_crcs(data, where)
-        try:
-            t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise CorruptionError(f"{where}: undecodable tensor item ({e})") from e
-        if not isinstance(t, torch.Tensor):
-            raise CorruptionError(f"{where}: item is a {type(t).__name__}, not a tensor")
+    def _load_tensor(self, req, data: bytearray, where: str, planner: LoadPlanner) -> None:
+        t = _decode_tensor(data, where, self.verify_crc)
         expected = self._chunks.get(req.storage_index)
         if expected is not None:
             sizes, dtype = expected
