@@ -3,6 +3,7 @@ without unsafe unpickling, and refuses hostile or damaged ones."""
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import subprocess
@@ -15,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import cairn
 import ckpt_backend
 import dcp_states
-from cairn._stock import StockReader, is_stock_checkpoint, read_stock_metadata
+from cairn._stock import StockReader, _decode_tensor, is_stock_checkpoint, read_stock_metadata
 from gloo_harness import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -254,3 +255,38 @@ def test_cairn_reader_refuses_a_hostile_stock_checkpoint(stock):
     with pytest.raises(Exception, match="refusing to unpickle"):
         _dcp_load(_blank(), cairn.Reader(str(stock)))
     assert not sentinel.exists()
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        torch.arange(20, dtype=torch.float64).reshape(4, 5).t(),  # strided view kept
+        torch.zeros(0, 3),
+        torch.tensor(2.5),
+        torch.tensor([True, False, True]),
+        torch.ones(2, 3, dtype=torch.bfloat16),
+        torch.arange(6, dtype=torch.int64).reshape(2, 3)[:, 1:].clone(),
+        torch.ones(4, dtype=torch.float8_e4m3fn),  # no legacy storage class: torch.load path
+    ],
+    ids=["f32", "transposed", "empty", "scalar", "bool", "bf16", "slice", "float8"],
+)
+def test_decoded_item_equals_the_saved_tensor(tensor):
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    got = _decode_tensor(bytearray(buf.getvalue()), "item", verify_crc=True)
+    assert got.dtype == tensor.dtype and got.shape == tensor.shape
+    assert got.stride() == tensor.stride() or tensor.numel() == 0
+    assert torch.equal(got.float(), tensor.float())
+
+
+def test_item_whose_view_exceeds_its_storage_is_corruption():
+    buf = io.BytesIO()
+    torch.save(torch.arange(6.0), buf)
+    raw = bytearray(buf.getvalue())
+    # data.pkl stores the size as BININT1 6 right after the storage offset 0.
+    at = raw.find(b"K\x00K\x06\x85")
+    assert at > 0
+    raw[at + 3] = 9  # claim 9 elements of a 6-element storage
+    with pytest.raises(cairn.CorruptionError, match="exceeds its storage"):
+        _decode_tensor(raw, "item", verify_crc=False)
