@@ -45,8 +45,12 @@ int Fail(const Status& s) {
 class Progress {
  public:
   explicit Progress(std::string label) : label_(std::move(label)) {}
-  ~Progress() {
+  ~Progress() { Finish(); }
+  // Ends the progress line (call before printing anything else).
+  void Finish() {
+    std::lock_guard<std::mutex> l(mu_);
     if (printed_) std::fprintf(stderr, "\n");
+    printed_ = false;
   }
   void operator()(uint64_t done, uint64_t total) {
     auto now = std::chrono::steady_clock::now();
@@ -73,7 +77,9 @@ class Progress {
   bool printed_ = false;
 };
 
-size_t DefaultThreads() { return std::clamp<size_t>(std::thread::hardware_concurrency(), 4, 16); }
+size_t DefaultThreads() {
+  return std::clamp<size_t>(2 * std::thread::hardware_concurrency(), 16, 32);
+}
 
 int CmdLs(const std::string& root) {
   auto storage = cairn::OpenStorage(root, /*create=*/false);

@@ -6,7 +6,9 @@
 // a Storage's root; "" is the root itself) laid out as in format.h. Every
 // function here is thread-compatible: it may run concurrently with other
 // calls on different checkpoints; it uses the ThreadPool it is given for its
-// parallel I/O and never keeps a reference to it after returning.
+// parallel I/O, waits for its tasks, and never keeps a reference to the pool
+// after returning. Do not call these functions from a thread of that same
+// pool: the caller blocks while the pool's threads do the work.
 //
 // Durability contract: a checkpoint is committed if and only if its manifest
 // exists. CommitManifest() writes the manifest last, after the data files are
@@ -102,11 +104,15 @@ struct ItemRef {
   uint32_t chunk = 0;  // into ManifestTensor::chunks (kTensorChunk only)
 };
 
-// Read a whole item into `dest`, which must have exactly the item's length.
+// Read bytes [offset, offset + size) of an item into `dest` (the whole item
+// when offset is 0 and size is its length). Every block the range touches is
+// read and verified whole; blocks inside the range go straight into `dest`,
+// blocks at its edges through a scratch buffer.
 struct ReadRequest {
   ItemRef item;
   void* dest = nullptr;
   uint64_t size = 0;
+  uint64_t offset = 0;  // byte offset within the item
 };
 
 // Reads items of one committed checkpoint into caller memory, verifying every
@@ -136,8 +142,8 @@ class CheckpointReader {
   Status CheckFiles();
 
   // Reads every request in parallel on `pool`. On success each dest holds the
-  // item's verified bytes. A checksum mismatch, a truncated or missing data
-  // file is DataLoss naming the file and the tensor, e.g.
+  // requested verified bytes. A range outside its item is InvalidArgument. A checksum mismatch, a
+  // truncated or missing data file is DataLoss naming the file and the tensor, e.g.
   //   "/ckpt/step_5: data/r1.bin: checksum mismatch in block 3 of tensor 'w'".
   // On error the contents of the destinations are unspecified.
   Status Read(const std::vector<ReadRequest>& requests, ThreadPool* pool);

@@ -1,6 +1,6 @@
 """cairn: cheap checkpoints, quick recovery and exact resume for PyTorch training."""
 
-from cairn.checkpoint import latest_valid, list_checkpoints, verify
+from cairn.checkpoint import copy_checkpoint, latest_valid, list_checkpoints, verify
 from cairn.dcp import Reader, Writer
 from cairn.errors import (
     CorruptionError,

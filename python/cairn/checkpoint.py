@@ -6,7 +6,7 @@ import os
 
 from cairn import _ext
 
-__all__ = ["latest_valid", "verify", "list_checkpoints"]
+__all__ = ["latest_valid", "verify", "list_checkpoints", "copy_checkpoint"]
 
 
 def _root_uri(path: str | os.PathLike) -> str:
@@ -17,7 +17,7 @@ def _root_uri(path: str | os.PathLike) -> str:
 
 
 def _default_pool() -> _ext.ThreadPool:
-    return _ext.ThreadPool(max(4, min(16, os.cpu_count() or 4)))
+    return _ext.ThreadPool(max(16, min(32, 2 * (os.cpu_count() or 1))))
 
 
 def latest_valid(root: str | os.PathLike) -> str | None:
@@ -50,3 +50,33 @@ def verify(path: str | os.PathLike) -> None:
     there is no committed checkpoint at ``path``.
     """
     _ext.verify(_root_uri(path), _default_pool())
+
+
+def copy_checkpoint(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    sync: bool = True,
+    direct_io: bool = True,
+    verify_destination: bool = False,
+    thread_count: int | None = None,
+) -> None:
+    """Copies the committed checkpoint ``src`` to ``dst`` (directories or
+    ``shm://`` URIs), in parallel.
+
+    Every block is checked against its checksum as it is copied; the data
+    files are synced (unless ``sync=False``, e.g. for a shared-memory
+    destination), optionally re-read and verified, and the manifest is
+    committed at ``dst`` last, so ``dst`` is either a complete checkpoint or
+    uncommitted. Raises :class:`cairn.CorruptionError` if ``src`` is damaged
+    and :class:`cairn.NotFoundError` if it does not exist.
+    """
+    pool = _ext.ThreadPool(thread_count) if thread_count else _default_pool()
+    _ext.copy_checkpoint(
+        _root_uri(src),
+        _root_uri(dst),
+        pool,
+        direct_io=direct_io,
+        sync=sync,
+        verify_destination=verify_destination,
+    )

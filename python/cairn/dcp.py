@@ -102,7 +102,9 @@ def _local_path(uri: str) -> str | None:
 
 
 def _default_threads() -> int:
-    return max(4, min(16, os.cpu_count() or 4))
+    # I/O threads mostly wait on the device; more requests in flight keep it
+    # busy (16 measured ~1.2x faster than 4 on a 2-core VM with virtio disk).
+    return max(16, min(32, 2 * (os.cpu_count() or 1)))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -202,7 +204,7 @@ class Writer(StorageWriter):
     Args:
         path: checkpoint directory, ``file://DIR`` or ``shm://NAME``. May be
             omitted when ``dcp.save`` is given ``checkpoint_id``.
-        thread_count: I/O threads per rank (default: between 4 and 16).
+        thread_count: I/O threads per rank (default: 16 to 32).
         direct_io: write with O_DIRECT where the filesystem allows it.
         sync: fsync data files and the manifest (turn off only for tiers that
             need no durability, e.g. shared memory).
@@ -245,6 +247,13 @@ class Writer(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         _uri(self.path)
+        if kwargs.get("use_collectives") is False:
+            # Without coordination every rank would name its file r0.bin and
+            # commit a manifest of its own items: refuse rather than corrupt.
+            raise InvalidArgumentError(
+                "cairn.Writer needs dcp.save(..., use_collectives=True): a cairn checkpoint "
+                "has one manifest for all ranks"
+            )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -417,13 +426,40 @@ def _manifest_body(
 # ---- Reader -----------------------------------------------------------------
 
 
+def _byte_range(
+    offsets: tuple[int, ...], lengths: tuple[int, ...], sizes: tuple[int, ...], itemsize: int
+) -> tuple[int, int] | None:
+    """The (byte offset, nbytes) of the box ``offsets + lengths`` inside a
+    row-major chunk of shape ``sizes`` when that box is one contiguous byte
+    range (e.g. whole rows: FSDP-style Shard(0) resharding), else None."""
+    if len(offsets) != len(sizes) or len(lengths) != len(sizes):
+        raise InvalidArgumentError("read item and stored chunk differ in rank")
+    for o, n, s in zip(offsets, lengths, sizes):
+        if o < 0 or n < 0 or o + n > s:
+            raise InvalidArgumentError(f"read region {offsets}+{lengths} outside chunk {sizes}")
+    if any(n == 0 for n in lengths):
+        return 0, 0
+    partial = [d for d in range(len(sizes)) if lengths[d] != sizes[d]]
+    last = partial[-1] if partial else -1
+    if any(lengths[d] != 1 for d in range(last)):
+        return None
+    linear = 0
+    for o, s in zip(offsets, sizes):
+        linear = linear * s + o
+    numel = 1
+    for n in lengths:
+        numel *= n
+    return linear * itemsize, numel * itemsize
+
+
+
 class Reader(StorageReader):
     """A DCP ``StorageReader`` for cairn checkpoints (and stock DCP ones).
 
     Args:
         path: checkpoint directory, ``file://DIR`` or ``shm://NAME``. May be
             omitted when ``dcp.load`` is given ``checkpoint_id``.
-        thread_count: I/O threads (default: between 4 and 16).
+        thread_count: I/O threads (default: 16 to 32).
 
     Raises (from the constructor or ``reset``): :class:`cairn.NotFoundError`
     when there is no committed checkpoint at ``path``;
@@ -524,11 +560,12 @@ class Reader(StorageReader):
         if self._reader is None:
             self._open(_uri(self.path))
         assert self._reader is not None
-        requests: list[tuple[int, int, int, int, int]] = []
-        # Items that cannot be read in place: (read item, destination, scratch key).
-        copies: list[tuple[Any, torch.Tensor, tuple[int, int, int]]] = []
+        # (kind, item index, chunk index, address, nbytes, byte offset in item)
+        requests: list[tuple[int, int, int, int, int, int]] = []
         in_place: list[tuple[Any, torch.Tensor]] = []
-        scratch: dict[tuple[int, int, int], Any] = {}
+        # Read into scratch memory, then copied: (read item, destination, source view).
+        copies: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        whole_chunks: dict[tuple[int, int], torch.Tensor] = {}
         byte_reads: list[tuple[Any, np.ndarray]] = []
         for ri in plan.items:
             item = self._items.get(ri.storage_index)
@@ -539,36 +576,46 @@ class Reader(StorageReader):
                 )
             if ri.type == LoadItemType.BYTE_IO:
                 buf = np.empty(item.length, dtype=np.uint8)
-                requests.append((1, item.index, 0, buf.ctypes.data, item.length))
+                requests.append((1, item.index, 0, buf.ctypes.data, item.length, 0))
                 byte_reads.append((ri, buf))
                 continue
             meta_tensor = self._metadata.state_dict_metadata[ri.storage_index.fqn]
-            chunk = meta_tensor.chunks[item.chunk]
+            dtype = meta_tensor.properties.dtype
+            sizes = tuple(meta_tensor.chunks[item.chunk].sizes)
+            lengths = tuple(ri.lengths)
             dest = planner.resolve_tensor(ri).detach()
-            whole = (
-                all(o == 0 for o in ri.storage_offsets)
-                and tuple(ri.lengths) == tuple(chunk.sizes)
-                and dest.device.type == "cpu"
-                and dest.dtype == meta_tensor.properties.dtype
-                and dest.is_contiguous()
-                and tuple(dest.shape) == tuple(chunk.sizes)
-            )
-            if whole:
-                requests.append(
-                    (0, item.index, item.chunk, dest.data_ptr(), dest.numel() * dest.element_size())
+            if tuple(dest.shape) != lengths:
+                raise InvalidArgumentError(
+                    f"{ri.dest_index.fqn!r}: destination of shape {tuple(dest.shape)} for a "
+                    f"stored region of shape {lengths}"
                 )
-                in_place.append((ri, dest))
+            region = _byte_range(tuple(ri.storage_offsets), lengths, sizes, dtype.itemsize)
+            if region is not None:
+                offset, nbytes = region
+                if nbytes == 0:
+                    in_place.append((ri, dest))
+                elif dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous():
+                    # The common case: straight into the destination's memory.
+                    requests.append((0, item.index, item.chunk, dest.data_ptr(), nbytes, offset))
+                    in_place.append((ri, dest))
+                else:
+                    tmp = torch.empty(lengths, dtype=dtype)
+                    requests.append((0, item.index, item.chunk, tmp.data_ptr(), nbytes, offset))
+                    copies.append((ri, dest, tmp))
                 continue
-            key = (0, item.index, item.chunk)
-            if key not in scratch:
-                tmp = torch.empty(
-                    tuple(chunk.sizes), dtype=meta_tensor.properties.dtype, device="cpu"
-                )
-                scratch[key] = tmp
+            # A non-contiguous region of a stored chunk: read the chunk once
+            # (shared by every item of this call that needs it) and narrow.
+            key = (item.index, item.chunk)
+            tmp = whole_chunks.get(key)
+            if tmp is None:
+                tmp = whole_chunks[key] = torch.empty(sizes, dtype=dtype)
                 requests.append(
-                    (0, item.index, item.chunk, tmp.data_ptr(), tmp.numel() * tmp.element_size())
+                    (0, item.index, item.chunk, tmp.data_ptr(), tmp.numel() * dtype.itemsize, 0)
                 )
-            copies.append((ri, dest, key))
+            src = tmp
+            for dim, (off, length) in enumerate(zip(ri.storage_offsets, lengths)):
+                src = src.narrow(dim, off, length)
+            copies.append((ri, dest, src))
 
         self._reader.read(requests, self._thread_pool())
 
@@ -576,15 +623,7 @@ class Reader(StorageReader):
             planner.load_bytes(ri, io.BytesIO(buf.tobytes()))
         for ri, dest in in_place:
             planner.commit_tensor(ri, dest)
-        for ri, dest, key in copies:
-            src = scratch[key]
-            for dim, (off, length) in enumerate(zip(ri.storage_offsets, ri.lengths)):
-                src = src.narrow(dim, off, length)
-            if src.shape != dest.shape:
-                raise InvalidArgumentError(
-                    f"{ri.dest_index.fqn!r}: stored region {tuple(src.shape)} does not fit "
-                    f"the destination {tuple(dest.shape)}"
-                )
+        for ri, dest, src in copies:
             dest.copy_(src)
             planner.commit_tensor(ri, dest)
         fut: Future[None] = Future()

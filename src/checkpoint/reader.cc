@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <new>
 
 #include "cairn/checkpoint.h"
 #include "checkpoint/io_util.h"
@@ -143,10 +144,10 @@ Status CheckpointReader::Read(const std::vector<ReadRequest>& requests, ThreadPo
     const ReadRequest& r = requests[i];
     auto loc = Locate(r.item);
     if (!loc.ok()) return loc.status().WithContext(where);
-    if (r.size != (*loc)->length) {
-      return InvalidArgumentError(where + ": destination of " + ItemName(r.item) + " has " +
-                                  std::to_string(r.size) + " bytes, the item has " +
-                                  std::to_string((*loc)->length));
+    if (r.offset > (*loc)->length || (*loc)->length - r.offset < r.size) {
+      return InvalidArgumentError(where + ": bytes [" + std::to_string(r.offset) + ", +" +
+                                  std::to_string(r.size) + ") requested from " + ItemName(r.item) +
+                                  ", which has " + std::to_string((*loc)->length));
     }
     if (r.size > 0 && r.dest == nullptr) {
       return InvalidArgumentError(where + ": null destination for " + ItemName(r.item));
@@ -164,9 +165,24 @@ Status CheckpointReader::Read(const std::vector<ReadRequest>& requests, ThreadPo
     const ManifestFile* mf = &manifest_.files[loc->file];
     const ReadableFile* f = files[i];
     char* dest = static_cast<char*>(requests[i].dest);
+    const uint64_t begin = requests[i].offset, end = begin + requests[i].size;
+    if (begin == end) continue;
     std::string name = ItemName(requests[i].item);
-    for (uint64_t b = 0; b < loc->checksums.size(); ++b) {
-      group.Run([=] { return ReadBlock(f, *mf, *loc, b, bs, dest + b * bs, name); });
+    for (uint64_t b = begin / bs; b * bs < end; ++b) {
+      const uint64_t bstart = b * bs, bend = std::min(bstart + bs, loc->length);
+      if (bstart >= begin && bend <= end) {
+        group.Run([=] { return ReadBlock(f, *mf, *loc, b, bs, dest + (bstart - begin), name); });
+        continue;
+      }
+      // An edge block: verify it whole in scratch memory, keep the overlap.
+      group.Run([=]() -> Status {
+        std::unique_ptr<char[]> scratch(new (std::nothrow) char[bend - bstart]);
+        if (!scratch) return ResourceExhaustedError("cannot allocate a read buffer");
+        CAIRN_RETURN_IF_ERROR(ReadBlock(f, *mf, *loc, b, bs, scratch.get(), name));
+        const uint64_t lo = std::max(bstart, begin), hi = std::min(bend, end);
+        std::memcpy(dest + (lo - begin), scratch.get() + (lo - bstart), hi - lo);
+        return Status::OK();
+      });
     }
   }
   return group.Wait().WithContext(where);
@@ -387,7 +403,11 @@ Status CopyCheckpoint(Storage* src, std::string_view src_dir, Storage* dst,
   // One task per item block: read it piecewise into the thread's buffer,
   // hash it, write it. Padding is never copied: fresh files read as zeros.
   std::atomic<uint64_t> done{0};
-  const uint64_t total = m.TotalBytes();
+  uint64_t total = 0;  // item bytes: padding is not copied
+  for (const auto& t : m.tensors) {
+    for (const auto& c : t.chunks) total += c.location.length;
+  }
+  for (const auto& b : m.bytes) total += b.location.length;
   auto copy_block = [&](const ItemLocation& loc, uint64_t b, const std::string& name) -> Status {
     const ManifestFile& mf = m.files[loc.file];
     char* buf = internal::ThreadPieceBuffer();

@@ -65,6 +65,10 @@ namespace {
 
 using nlohmann::json;
 
+// Deepest nesting accepted in a manifest body (the schema itself needs 5;
+// the rest is for the free-form "extra" section).
+constexpr int kMaxJsonDepth = 64;
+
 // a * b, or false on overflow.
 bool MulOk(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 bool AddOk(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_add_overflow(a, b, out); }
@@ -399,7 +403,18 @@ Result<std::string> ManifestToJson(const Manifest& m) {
 
 Result<Manifest> ManifestFromJson(std::string_view text, bool from_storage) {
   Reader r(from_storage);
-  json body = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  // Values nested deeper than kMaxJsonDepth are discarded while parsing and
+  // reported: a hostile body must not drive recursive code (dump, destroy)
+  // into a stack overflow.
+  bool too_deep = false;
+  json::parser_callback_t limit_depth = [&too_deep](int depth, json::parse_event_t, json&) {
+    if (depth > kMaxJsonDepth) too_deep = true;
+    return depth <= kMaxJsonDepth;
+  };
+  json body = json::parse(text, limit_depth, /*allow_exceptions=*/false);
+  if (too_deep) {
+    return r.Bad("<body>", "nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+  }
   if (body.is_discarded()) return r.Bad("<body>", "not valid JSON");
   if (!body.is_object()) return r.Bad("<body>", "not a JSON object");
   Manifest m;

@@ -46,13 +46,14 @@ class PyCheckpointReader {
 
   std::string ManifestJson() const { return ValueOrThrow(ManifestToJson(reader_->manifest())); }
 
-  // requests: (kind, index, chunk, dest address, dest bytes); kind 0 = tensor
-  // chunk, 1 = bytes item.
-  void Read(const std::vector<std::tuple<int, uint32_t, uint32_t, uintptr_t, uint64_t>>& requests,
+  // requests: (kind, index, chunk, dest address, nbytes, byte offset in the
+  // item); kind 0 = tensor chunk, 1 = bytes item.
+  void Read(const std::vector<std::tuple<int, uint32_t, uint32_t, uintptr_t, uint64_t, uint64_t>>&
+                requests,
             ThreadPool& pool) {
     std::vector<ReadRequest> reqs;
     reqs.reserve(requests.size());
-    for (const auto& [kind, index, chunk, addr, size] : requests) {
+    for (const auto& [kind, index, chunk, addr, size, offset] : requests) {
       if (kind != 0 && kind != 1) ThrowIfError(InvalidArgumentError("bad item kind"));
       ReadRequest r;
       r.item.kind = kind == 0 ? ItemRef::Kind::kTensorChunk : ItemRef::Kind::kBytes;
@@ -60,6 +61,7 @@ class PyCheckpointReader {
       r.item.chunk = chunk;
       r.dest = reinterpret_cast<void*>(addr);
       r.size = size;
+      r.offset = offset;
       reqs.push_back(r);
     }
     Status s;
@@ -186,7 +188,7 @@ void RegisterCheckpoint(nb::module_& m) {
            "checks every data file's size.")
       .def("manifest_json", &PyCheckpointReader::ManifestJson)
       .def("read", &PyCheckpointReader::Read, nb::arg("requests"), nb::arg("pool"),
-           "Reads (kind, index, chunk, address, nbytes) requests in parallel, verified.");
+           "Reads (kind, index, chunk, address, nbytes, offset) requests in parallel, verified.");
 
   m.def(
       "verify",

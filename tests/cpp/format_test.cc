@@ -208,6 +208,19 @@ TEST(ManifestTest, InvalidJsonIsDataLoss) {
   EXPECT_NE(r.status().message().find("not valid JSON"), std::string::npos);
 }
 
+TEST(ManifestTest, DeeplyNestedBodyIsRejectedWithoutRecursing) {
+  std::string body = SampleBody().dump();
+  std::string deep(1 << 20, '[');
+  deep += std::string(1 << 20, ']');
+  body.insert(body.size() - 1, ",\"deep\":" + deep);
+  auto r = DecodeManifest(Envelope(body));
+  EXPECT_EQ(r.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(r.status().message().find("nested deeper"), std::string::npos) << r.status().ToString();
+  json ok = SampleBody();
+  ok["extra"]["user"] = {{"a", {{"b", {1, 2, {3}}}}}};
+  EXPECT_TRUE(DecodeBody(ok).ok());
+}
+
 TEST(ManifestTest, AbsurdBodyLengthIsDataLoss) {
   std::string bytes = *EncodeManifest(SampleManifest());
   for (int i = 0; i < 8; ++i) bytes[16 + i] = static_cast<char>(0xff);

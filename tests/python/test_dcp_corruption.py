@@ -179,3 +179,23 @@ def test_corrupt_newest_checkpoint_is_skipped_by_latest_valid(tmp_path):
         dcp.save({"a": torch.ones(3)}, storage_writer=cairn.Writer(tmp_path / f"step_{step}"))
     (tmp_path / "step_2" / "cairn.manifest").write_bytes(b"garbage")
     assert cairn.latest_valid(tmp_path) == f"{tmp_path}/step_1"
+
+
+def test_errors_survive_pickling_between_ranks(ckpt):
+    # DCP gathers a failing rank's exception to every rank by pickling it.
+    import pickle
+
+    flip(ckpt / "data" / "r0.bin", item_offset(ckpt, "model.w"))
+    with pytest.raises(cairn.CorruptionError) as info:
+        cairn.verify(ckpt)
+    again = pickle.loads(pickle.dumps(info.value))
+    assert isinstance(again, cairn.CorruptionError) and str(again) == str(info.value)
+
+
+def test_copy_checkpoint_refuses_a_corrupt_source(ckpt, tmp_path):
+    cairn.copy_checkpoint(ckpt, tmp_path / "copy", verify_destination=True)
+    cairn.verify(tmp_path / "copy")
+    flip(ckpt / "data" / "r0.bin", item_offset(ckpt, "model.b"))
+    with pytest.raises(cairn.CorruptionError, match="tensor 'model.b'"):
+        cairn.copy_checkpoint(ckpt, tmp_path / "copy2")
+    assert not (tmp_path / "copy2" / "cairn.manifest").exists()

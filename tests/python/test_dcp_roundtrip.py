@@ -242,3 +242,22 @@ def test_planner_data_round_trips_with_types():
     assert cdcp._decode(json.loads(json.dumps(encoded))) == value
     with pytest.raises(ValueError):
         cdcp._encode({"a": object()})
+
+
+def test_byte_range_of_read_regions():
+    # Whole chunk, whole rows, a row fragment, and a column block (not contiguous).
+    assert cdcp._byte_range((0, 0), (4, 5), (4, 5), 4) == (0, 80)
+    assert cdcp._byte_range((1, 0), (2, 5), (4, 5), 4) == (20, 40)
+    assert cdcp._byte_range((2, 1), (1, 3), (4, 5), 2) == (22, 6)
+    assert cdcp._byte_range((0, 1), (4, 2), (4, 5), 4) is None
+    assert cdcp._byte_range((1, 0, 0), (1, 1, 3), (2, 2, 3), 1) == (6, 3)
+    assert cdcp._byte_range((0, 0), (0, 5), (4, 5), 4) == (0, 0)
+    assert cdcp._byte_range((), (), (), 8) == (0, 8)
+    with pytest.raises(ValueError):
+        cdcp._byte_range((3, 0), (2, 5), (4, 5), 4)
+
+
+def test_uncoordinated_save_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="use_collectives"):
+        dcp.save({"a": torch.ones(2)}, storage_writer=cairn.Writer(tmp_path / "c"), use_collectives=False)
+    assert cairn.latest_valid(tmp_path) is None
