@@ -33,6 +33,26 @@ def test_stock_checkpoint_saved_on_2_ranks_loads_on_1_and_3_ranks(tmp_path):
     dcp_states.load_full_single_process("stock", path, 2)
 
 
+def _save_rank_local(rank, world, path):
+    sd = {"w": torch.full((4,), float(rank)), "step": rank}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path), use_collectives=False)
+
+
+def _load_rank_local(rank, world, path):
+    sd = {"w": torch.zeros(4), "step": -1}
+    dcp.load(sd, storage_reader=ckpt_backend.reader("stock", path))
+    assert torch.equal(sd["w"], torch.full((4,), float(rank))) and sd["step"] == rank
+
+
+def test_stock_checkpoint_with_rank_local_metadata_loads(tmp_path):
+    """dcp.save(use_collectives=False) writes __<rank>.metadata per rank."""
+    path = str(tmp_path / "stock")
+    run_ranks(2, _save_rank_local, path)
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+    assert is_stock_checkpoint(path)
+    run_ranks(2, _load_rank_local, path)
+
+
 # --- single-process fixtures ----------------------------------------------------
 
 
