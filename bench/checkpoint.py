@@ -430,7 +430,9 @@ def print_report(ctx: Context, meta: dict, floors, peers, rat) -> None:
     print(
         f"state {ctx.nbytes / GB:.2f} GB in {ctx.ntensors} tensors; scratch "
         f"{ctx.scratch} ({meta['scratch_fs']}); {ctx.reps} reps (medians); "
-        f"cold reads: {'yes (page cache dropped)' if ctx.dropped else 'NO (warm cache)'}"
+        f"cold reads: {'yes (page cache dropped)' if ctx.dropped else 'NO (warm cache)'}; "
+        f"{meta['cpus']} CPUs, torch threads {meta['torch_threads']}, load average "
+        f"{meta['loadavg_before'][0]:.1f} before / {meta['loadavg_after'][0]:.1f} after"
     )
     print(f"{'floor':<22}{'median s':>10}{'GB/s':>9}")
     for name, s in floors.items():
@@ -461,6 +463,13 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(DEFAULT_PEERS),
         help=f"comma-separated, from {list(PEERS)} (default: %(default)s)",
     )
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        help="torch intra-op threads (default: torch's). On a machine whose cores "
+        "are busy with other work, 1 avoids OpenMP spin-waits that slow every "
+        "Tensor.copy_ (and so torch.load and dcp.load) several-fold",
+    )
     ap.add_argument("--no-drop-caches", action="store_true")
     ap.add_argument("--allow-tmpfs", action="store_true", help="allow a RAM-backed scratch")
     args = ap.parse_args(argv)
@@ -474,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     if kind in ("tmpfs", "ramfs") and not args.allow_tmpfs:
         ap.error(f"{parent} is on {kind}, not a disk; pass --dir on a real disk")
 
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     t_start = time.perf_counter()
     state = build_state(args.size_gb)
     ts = tensors(state)
@@ -492,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_before": os.getloadavg(),
         "scratch_fs": kind,
         "state_bytes": ctx.nbytes,
         "state_tensors": ctx.ntensors,
@@ -505,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rat = ratios(floors, peers)
     meta["cold_reads"] = ctx.dropped
+    meta["loadavg_after"] = os.getloadavg()
     meta["wall_s"] = time.perf_counter() - t_start
     print_report(ctx, meta, floors, peers, rat)
     result = {
