@@ -10,8 +10,8 @@ A stock checkpoint directory holds::
 (``__<rank>.metadata`` replaces ``.metadata`` when it was saved without collectives.)
 
 Stock ``FileSystemReader`` loads ``.metadata`` with ``pickle.load``: a hostile
-checkpoint runs arbitrary code. :class:`StockReader` never does. It reads the
-metadata in three steps:
+checkpoint runs arbitrary code. :class:`StockReader` never does. It loads in
+three steps:
 
 1. **Decode into stand-ins.** A restricted unpickler resolves only the handful of
    globals a DCP metadata pickle names (the metadata dataclasses, ``torch.Size``,
@@ -25,12 +25,16 @@ metadata in three steps:
    metadata objects that ``dcp.load``'s planner expects.
 3. **Read items.** Data files are opened by validated name relative to the
    checkpoint directory without following symlinks; every range is bounds-checked
-   against the file size; each tensor item's zip CRC32s are verified (torch.save
-   writes them), then it is decoded with ``torch.load(weights_only=True)``,
-   narrowed to the requested slice (resharding) and copied into the destination.
-   Non-tensor items are handed to the planner (which unpickles them with
-   ``weights_only=False``) only if they also decode with ``weights_only=True``,
-   unless the caller passes ``allow_pickle=True``.
+   against the file size before it is read. A tensor item's zip CRC32s are
+   verified (torch.save writes them); its ``data.pkl`` is decoded by a second
+   restricted unpickler that only recognises torch.save's one-tensor form
+   (rebuild function, storage class, sizes, strides), and the tensor is then a
+   bounds-checked strided view of the bytes just read, narrowed to the slice
+   the destination needs (resharding) and copied into it. Any other form is
+   decoded with ``torch.load(weights_only=True)``. Non-tensor items are handed
+   to the planner (which unpickles them with ``weights_only=False``) only if
+   they also decode with ``weights_only=True``, unless the caller passes
+   ``allow_pickle=True``.
 
 Items are read, verified and copied in parallel on a small thread pool (the
 heavy calls release the GIL); calls into the planner are serialized by a lock
@@ -634,7 +638,9 @@ def _decode_tensor(buf: bytearray, where: str, verify_crc: bool) -> torch.Tensor
         recipe = _TensorRecipe(io.BytesIO(view[s:e])).load()
         if not (isinstance(recipe, tuple) and recipe[:1] == ("tensor",)):
             raise _NotSimple("not a tensor")
-    except _NotSimple:
+    except CorruptionError:
+        raise
+    except Exception:  # _NotSimple, or a data.pkl this decoder does not know
         try:
             t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
         except Exception as e:
@@ -642,10 +648,6 @@ def _decode_tensor(buf: bytearray, where: str, verify_crc: bool) -> torch.Tensor
         if not isinstance(t, torch.Tensor):
             raise CorruptionError(f"{where}: item is a {type(t).__name__}, not a tensor")
         return t
-    except CorruptionError:
-        raise
-    except Exception as e:  # malformed data.pkl
-        raise CorruptionError(f"{where}: undecodable tensor item ({e})") from e
 
     _, dtype, key, numel, offset, size, stride = recipe
     rng = archive.entries.get(f"{prefix}data/{key}")
