@@ -472,7 +472,12 @@ def read_stock_metadata(path: str | os.PathLike, rank: int | None = None) -> _md
         raise
     except Exception as e:  # any decoding failure of untrusted bytes
         raise CorruptionError(f"{f}: unreadable DCP metadata: {e}") from e
-    return _Converter(f).metadata(root)
+    try:
+        return _Converter(f).metadata(root)
+    except (CorruptionError, InvalidArgumentError):
+        raise
+    except Exception as e:  # e.g. an unhashable value where a key belongs
+        raise CorruptionError(f"{f}: malformed checkpoint metadata ({e!r})") from e
 
 
 # ----------------------------------------------------------------------------

@@ -3,8 +3,10 @@ without unsafe unpickling, and refuses hostile or damaged ones."""
 
 from __future__ import annotations
 
+import collections
 import io
 import os
+import random
 import pickle
 import subprocess
 
@@ -210,6 +212,28 @@ def test_absurd_offset_is_corruption_not_a_huge_read(stock):
         _load(stock)
 
 
+def test_randomly_damaged_metadata_never_escapes_as_another_error(stock):
+    """Bit flips and truncations of .metadata: success or a cairn error, never
+    another exception type (and never code execution: no global is resolvable)."""
+    raw = (stock / ".metadata").read_bytes()
+    rng = random.Random(1234)
+    outcomes = collections.Counter()
+    for trial in range(300):
+        damaged = bytearray(raw)
+        if trial % 3 == 0:
+            damaged = damaged[: rng.randrange(len(damaged))]
+        else:
+            for _ in range(rng.randint(1, 4)):
+                damaged[rng.randrange(len(damaged))] ^= 1 << rng.randrange(8)
+        (stock / ".metadata").write_bytes(bytes(damaged))
+        try:
+            read_stock_metadata(stock)
+            outcomes["ok"] += 1
+        except (cairn.CorruptionError, cairn.InvalidArgumentError) as e:
+            outcomes[type(e).__name__] += 1
+    assert outcomes["CorruptionError"] > 100, outcomes
+
+
 # --- damaged data -----------------------------------------------------------------
 
 
@@ -310,3 +334,27 @@ def test_item_whose_view_exceeds_its_storage_is_corruption():
     raw[at + 3] = 9  # claim 9 elements of a 6-element storage
     with pytest.raises(cairn.CorruptionError, match="exceeds its storage"):
         _decode_tensor(raw, "item", verify_crc=False)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_randomly_damaged_items_decode_or_raise_corruption():
+    """Damage inside data.pkl (CRC check off, so it reaches the decoder): a
+    tensor whose view stays inside its storage, or CorruptionError."""
+    buf = io.BytesIO()
+    torch.save(torch.arange(24, dtype=torch.float32).reshape(4, 6).t(), buf)
+    raw = buf.getvalue()
+    start = raw.find(b"\x80\x02")  # data.pkl is the first entry
+    end = raw.find(b"PK", start)
+    rng = random.Random(99)
+    outcomes = collections.Counter()
+    for _ in range(300):
+        damaged = bytearray(raw)
+        for _ in range(rng.randint(1, 3)):
+            damaged[rng.randrange(start, end)] = rng.randrange(256)
+        try:
+            t = _decode_tensor(damaged, "item", verify_crc=False)
+            t.sum()  # touches every element: must stay inside the buffer
+            outcomes["ok"] += 1
+        except cairn.CorruptionError:
+            outcomes["corrupt"] += 1
+    assert outcomes["corrupt"] > 50, outcomes
