@@ -422,6 +422,13 @@ def ratios(floors: dict[str, Sample], peers: dict[str, dict[str, Sample]]) -> di
     if "cairn" in peers and "direct-I/O read" in floors:
         v = peers["cairn"]["load"].gbps / floors["direct-I/O read"].gbps
         out["cairn_load_bw / direct_read_bw"] = {"value": v, "target": "(info)", "met": None}
+    if "stock->cairn" in peers and "dcp" in peers:
+        v = peers["stock->cairn"]["load"].median / peers["dcp"]["load"].median
+        out["stock_ckpt_cairn_load_time / dcp_load_time"] = {
+            "value": v,
+            "target": "(info)",
+            "met": None,
+        }
     return out
 
 
@@ -445,7 +452,7 @@ def print_report(ctx: Context, meta: dict, floors, peers, rat) -> None:
     print()
     for name, r in rat.items():
         met = "" if r["met"] is None else ("  met" if r["met"] else "  NOT met")
-        print(f"{name:<36}{r['value']:>7.2f}   target {r['target']}{met}")
+        print(f"{name:<44}{r['value']:>7.2f}   target {r['target']}{met}")
 
 
 def main(argv: list[str] | None = None) -> int:
