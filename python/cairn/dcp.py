@@ -291,6 +291,7 @@ class Writer(StorageWriter):
                 buffers.append((arr.ctypes.data, arr.nbytes))
             else:
                 t = data.detach()
+                _dtype_name(t.dtype)  # refuse unstorable dtypes before writing anything
                 if t.device.type != "cpu":
                     t = t.cpu()
                 t = t.contiguous()

@@ -17,7 +17,7 @@ namespace cairn::internal {
 // Granularity of one read or write syscall and of the per-thread staging
 // buffers: big enough for full disk bandwidth, small enough to stay in cache
 // while it is hashed.
-inline constexpr uint64_t kIoPiece = uint64_t{4} << 20;
+inline constexpr uint64_t kIoPiece = uint64_t{2} << 20;
 
 // A page-aligned heap buffer (usable for direct I/O).
 class AlignedBuffer {

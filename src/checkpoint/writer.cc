@@ -110,7 +110,9 @@ Result<DataFileResult> WriteDataFile(Storage* storage, std::string_view key,
 
   WriteOptions wopts;
   wopts.direct_io = opts.direct_io;
-  CAIRN_ASSIGN_OR_RETURN(auto file, storage->NewWritableFile(key, wopts));
+  auto created = storage->NewWritableFile(key, wopts);
+  if (!created.ok()) return created.status().WithContext("writing " + where);
+  std::unique_ptr<WritableFile> file = std::move(created).value();
   Status s = file->Allocate(end);
   if (s.ok()) {
     TaskGroup group(pool);

@@ -177,7 +177,9 @@ def test_missing_checkpoint_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         cairn.Reader(tmp_path / "nope")
     with pytest.raises(cairn.NotFoundError):
-        dcp.load({"a": torch.zeros(1)}, checkpoint_id=tmp_path / "nope", storage_reader=cairn.Reader())
+        dcp.load(
+            {"a": torch.zeros(1)}, checkpoint_id=tmp_path / "nope", storage_reader=cairn.Reader()
+        )
     # A directory with data but no manifest is a partial checkpoint.
     (tmp_path / "partial" / "data").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="partial"):
@@ -206,7 +208,8 @@ def test_manifest_is_not_pickle_and_documents_the_state(tmp_path):
 def test_latest_valid_and_list(tmp_path):
     assert cairn.latest_valid(tmp_path) is None
     for step in (5, 40, 300):
-        dcp.save({"a": torch.ones(4) * step}, storage_writer=cairn.Writer(tmp_path / f"step_{step}"))
+        writer = cairn.Writer(tmp_path / f"step_{step}")
+        dcp.save({"a": torch.ones(4) * step}, storage_writer=writer)
     os.remove(tmp_path / "step_300" / "cairn.manifest")
     assert cairn.latest_valid(tmp_path) == f"{tmp_path}/step_40"
     listing = cairn.list_checkpoints(tmp_path)
@@ -259,5 +262,20 @@ def test_byte_range_of_read_regions():
 
 def test_uncoordinated_save_is_refused(tmp_path):
     with pytest.raises(ValueError, match="use_collectives"):
-        dcp.save({"a": torch.ones(2)}, storage_writer=cairn.Writer(tmp_path / "c"), use_collectives=False)
+        dcp.save(
+            {"a": torch.ones(2)},
+            storage_writer=cairn.Writer(tmp_path / "c"),
+            use_collectives=False,
+        )
+    assert cairn.latest_valid(tmp_path) is None
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_unstorable_dtype_is_refused_before_writing(tmp_path):
+    # Quantized tensors are among the few that DCP plans but cairn cannot store.
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with pytest.raises(BaseException) as info:
+        dcp.save({"q": q}, storage_writer=cairn.Writer(tmp_path / "c"))
+    err = rank_error(info.value)
+    assert isinstance(err, ValueError) and "qint8" in str(err), err
     assert cairn.latest_valid(tmp_path) is None
