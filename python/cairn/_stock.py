@@ -66,7 +66,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from cairn.errors import CorruptionError, InvalidArgumentError, NotFoundError
 
-__all__ = ["is_stock_checkpoint", "StockReader", "read_stock_metadata"]
+__all__ = ["is_stock_checkpoint", "StockReader", "read_stock_metadata", "check_value_is_safe"]
 
 METADATA_FILE = ".metadata"
 _PICKLE_PROTO = 0x80  # first byte of a protocol >= 2 pickle
@@ -673,6 +673,27 @@ def _decode_tensor(buf: bytearray, where: str, verify_crc: bool) -> torch.Tensor
     return flat.as_strided(size, stride, offset)
 
 
+def check_value_is_safe(data, where: str) -> None:
+    """Raises CorruptionError unless ``data`` (a non-tensor item: the planner's
+    ``torch.save(obj)`` bytes) decodes with ``torch.load(weights_only=True)``.
+
+    DCP's DefaultLoadPlanner.load_bytes unpickles such items with
+    ``weights_only=False``, so without this check a hostile checkpoint runs
+    code through any non-tensor value. Plain Python values (numbers, strings,
+    lists, dicts, tuples), tensors and torch.serialization.add_safe_globals'
+    types pass."""
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).splitlines()[0] if str(e) else repr(e)
+        raise CorruptionError(
+            f"{where}: this non-tensor value needs unrestricted unpickling, refused; "
+            f"pass allow_pickle=True if you trust this checkpoint ({first})"
+        ) from e
+    except Exception as e:
+        raise CorruptionError(f"{where}: unreadable value ({e})") from e
+
+
 class StockReader(StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by stock ``dcp.save``
     with the filesystem writer, without unsafe unpickling (see the module doc).
@@ -816,16 +837,7 @@ class StockReader(StorageReader):
 
     def _load_bytes(self, req, data: bytearray, where: str, planner: LoadPlanner) -> None:
         if not self.allow_pickle:
-            try:
-                torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as e:
-                raise CorruptionError(
-                    f"{where}: this non-tensor value needs unrestricted unpickling, "
-                    "refused; pass allow_pickle=True if you trust this checkpoint "
-                    f"({str(e).splitlines()[0] if str(e) else e!r})"
-                ) from e
-            except Exception as e:
-                raise CorruptionError(f"{where}: unreadable value ({e})") from e
+            check_value_is_safe(data, where)
         with self._lock:
             planner.load_bytes(req, io.BytesIO(data))
 
