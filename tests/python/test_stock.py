@@ -358,3 +358,16 @@ def test_randomly_damaged_items_decode_or_raise_corruption():
         except cairn.CorruptionError:
             outcomes["corrupt"] += 1
     assert outcomes["corrupt"] > 50, outcomes
+
+
+def test_check_value_is_safe_accepts_plain_values_and_refuses_code():
+    from cairn._stock import check_value_is_safe
+
+    for value in (3, 0.5, "s", [1, 2], {"a": (1, 2)}, torch.ones(2), None):
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        check_value_is_safe(buf.getvalue(), "item")
+    buf = io.BytesIO()
+    torch.save(_Reduce(os.system, ("true",)), buf)
+    with pytest.raises(cairn.CorruptionError, match="allow_pickle"):
+        check_value_is_safe(buf.getvalue(), "item")
