@@ -1,10 +1,10 @@
 """Runs a function on N real torch.distributed (gloo, CPU) processes.
 
 ``run_ranks(world, fn, *args)`` starts ``world`` processes with
-torch.multiprocessing (forkserver), joins one process group (rendezvous through a fresh FileStore, so no
-port can collide with a concurrent run),
-calls ``fn(rank, world, *args)`` in each and tears the group down. ``fn`` must be
-a module-level function (it is pickled by reference). A failure in any rank
+torch.multiprocessing (forkserver, torch preloaded), joins them into one process
+group through a fresh FileStore (no TCP port that a concurrent run could take),
+calls ``fn(rank, world, *args)`` in each and tears the group down. ``fn`` must
+be a module-level function (it is pickled by reference). A failure in any rank
 re-raises in the caller with that rank's traceback.
 """
 
