@@ -170,7 +170,8 @@ class CheckpointReader {
 Status VerifyData(Storage* storage, std::string_view dir, const Manifest& m, ThreadPool* pool,
                   const ProgressFn& progress = {});
 
-// ReadManifest + VerifyData: is the checkpoint in `dir` intact?
+// ReadManifest + VerifyData: is the checkpoint in `dir` intact? A directory
+// without a manifest is DataLoss (partial); NotFound only if `dir` is absent.
 Status Verify(Storage* storage, std::string_view dir, ThreadPool* pool,
               const ProgressFn& progress = {});
 

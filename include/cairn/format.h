@@ -62,7 +62,7 @@ inline constexpr uint64_t kItemAlignment = 4096;
 // Sanity limits applied when a manifest is loaded ("never trust the manifest").
 inline constexpr uint64_t kMaxFiles = uint64_t{1} << 20;
 inline constexpr uint64_t kMaxItems = uint64_t{1} << 24;  // tensors, chunks, bytes each
-inline constexpr uint64_t kMaxRank = 64;                  // dimensions of a tensor
+inline constexpr uint64_t kMaxDims = 64;                  // dimensions of a tensor
 inline constexpr uint64_t kMaxFileSize = uint64_t{1} << 50;
 inline constexpr uint64_t kMaxWorldSize = uint64_t{1} << 20;
 

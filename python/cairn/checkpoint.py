@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from cairn import _ext
+from cairn.errors import NotFoundError
 
 __all__ = ["latest_valid", "verify", "list_checkpoints", "copy_checkpoint"]
 
@@ -26,10 +27,13 @@ def latest_valid(root: str | os.PathLike) -> str | None:
     Partial checkpoints (no manifest, or a damaged one) are skipped; data files
     are not read (use :func:`verify`). Directories named ``step_<N>`` order by
     N and count as newer than any other name; others order by the manifest's
-    creation time. Raises :class:`cairn.NotFoundError` if ``root`` does not exist.
+    creation time. A ``root`` that does not exist (yet) has none: None.
     """
     uri = _root_uri(root)
-    name = _ext.latest_valid(uri)
+    try:
+        name = _ext.latest_valid(uri)
+    except NotFoundError:
+        return None
     if name is None:
         return None
     return uri.rstrip("/") + "/" + name
@@ -46,8 +50,8 @@ def verify(path: str | os.PathLike) -> None:
 
     Returns None when it is intact. Raises :class:`cairn.CorruptionError`
     naming the file and tensor on any damage (flipped byte, truncated or
-    missing file, damaged manifest) and :class:`cairn.NotFoundError` when
-    there is no committed checkpoint at ``path``.
+    missing file, damaged or missing manifest) and :class:`cairn.NotFoundError`
+    when ``path`` does not exist.
     """
     _ext.verify(_root_uri(path), _default_pool())
 

@@ -73,10 +73,33 @@ except ImportError:  # pragma: no cover - depends on the build
         return False
 
 
-__all__ = ["Writer", "Reader"]
+__all__ = ["Writer", "Reader", "unwrap"]
 
 
 # ---- helpers ----------------------------------------------------------------
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The error a rank raised inside a DCP collective step.
+
+    DCP reports every storage error of ``dcp.save``/``dcp.load`` steps as a
+    ``CheckpointException`` holding each failing rank's exception. This returns
+    the lowest failing rank's exception (e.g. a :class:`cairn.CorruptionError`
+    naming the file and tensor), or ``exc`` itself when it is not a
+    ``CheckpointException``::
+
+        try:
+            dcp.load(state, storage_reader=cairn.Reader(path))
+        except BaseException as e:
+            if isinstance(cairn.dcp.unwrap(e), cairn.CorruptionError): ...
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException) and exc.failures:
+        first = exc.failures[min(exc.failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return exc
+
 
 
 def _uri(path: str | os.PathLike | None) -> str:
@@ -233,6 +256,7 @@ class Writer(StorageWriter):
         self.block_size = block_size
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
+        self.rank = 0
         self._pool: _ext.ThreadPool | None = None
 
     @property
@@ -247,6 +271,10 @@ class Writer(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         _uri(self.path)
+        rank = kwargs.get("rank")
+        if rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank()
+        self.rank = int(rank or 0)
         if kwargs.get("use_collectives") is False:
             # Without coordination every rank would name its file r0.bin and
             # commit a manifest of its own items: refuse rather than corrupt.
@@ -278,7 +306,10 @@ class Writer(StorageWriter):
         if not plan.items:
             fut.set_result([])
             return fut
-        key = plan.storage_data.key if isinstance(plan.storage_data, _RankFile) else "data/r0.bin"
+        if isinstance(plan.storage_data, _RankFile):
+            key = plan.storage_data.key
+        else:  # a planner that dropped our storage_data: fall back to the rank
+            key = f"data/r{self.rank}.bin"
         keep_alive: list[Any] = []
         buffers: list[tuple[int, int]] = []
         for item in plan.items:
@@ -516,6 +547,11 @@ class Reader(StorageReader):
         self._metadata, self._items = _metadata_from_manifest(body)
         user = body.get("extra", {}).get("user", {})
         self._user_metadata = user if isinstance(user, dict) else {}
+
+    def close(self) -> None:
+        """Releases the open data files (the reader reopens on next use)."""
+        self._reader = None
+        self._metadata = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.load_id = uuid.uuid4().hex

@@ -305,8 +305,21 @@ Status VerifyData(Storage* storage, std::string_view dir, const Manifest& m, Thr
 
 Status Verify(Storage* storage, std::string_view dir, ThreadPool* pool,
               const ProgressFn& progress) {
-  CAIRN_ASSIGN_OR_RETURN(Manifest m, ReadManifest(storage, dir));
-  return VerifyData(storage, dir, m, pool, progress);
+  auto m = ReadManifest(storage, dir);
+  if (!m.ok() && m.status().code() == StatusCode::kNotFound) {
+    // A directory without a manifest is not an intact checkpoint: it never
+    // committed, or its manifest was deleted. Only a missing directory is
+    // "not found".
+    auto exists = storage->Exists(dir);
+    if (exists.ok() && *exists) {
+      return DataLossError("verifying " + Where(storage, dir) + ": no " +
+                           std::string(format::kManifestName) +
+                           ": the checkpoint is partial (never committed, or its manifest "
+                           "was deleted)");
+    }
+  }
+  if (!m.ok()) return m.status();
+  return VerifyData(storage, dir, *m, pool, progress);
 }
 
 // ---- Discovery -------------------------------------------------------------

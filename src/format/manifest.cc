@@ -146,7 +146,7 @@ Status ValidateTensor(const Manifest& m, const ManifestTensor& t) {
   if (t.fqn.empty()) return Invalid("a tensor has an empty name");
   size_t itemsize = format::DtypeItemSize(t.dtype);
   if (itemsize == 0) return Invalid(what + ": unknown dtype '" + t.dtype + "'");
-  if (t.shape.size() > format::kMaxRank) return Invalid(what + ": too many dimensions");
+  if (t.shape.size() > format::kMaxDims) return Invalid(what + ": too many dimensions");
   uint64_t numel = 1;
   for (uint64_t d : t.shape) {
     if (!MulOk(numel, d, &numel)) return Invalid(what + ": shape overflows");
@@ -450,7 +450,7 @@ Result<Manifest> ManifestFromJson(std::string_view text, bool from_storage) {
     ManifestTensor t;
     CAIRN_ASSIGN_OR_RETURN(t.fqn, r.Str(jt, "fqn", p));
     CAIRN_ASSIGN_OR_RETURN(t.dtype, r.Str(jt, "dtype", p));
-    CAIRN_ASSIGN_OR_RETURN(t.shape, r.U64Array(jt, "shape", p, format::kMaxRank));
+    CAIRN_ASSIGN_OR_RETURN(t.shape, r.U64Array(jt, "shape", p, format::kMaxDims));
     CAIRN_ASSIGN_OR_RETURN(t.requires_grad, r.Bool(jt, "requires_grad", p, false));
     CAIRN_ASSIGN_OR_RETURN(t.pin_memory, r.Bool(jt, "pin_memory", p, false));
     CAIRN_ASSIGN_OR_RETURN(t.layout, r.Str(jt, "layout", p));
@@ -461,8 +461,8 @@ Result<Manifest> ManifestFromJson(std::string_view text, bool from_storage) {
       std::string cp = p + ".chunks[" + std::to_string(c) + "]";
       TensorChunk ch;
       CAIRN_ASSIGN_OR_RETURN(ch.location, r.Location((*chunks)[c], cp));
-      CAIRN_ASSIGN_OR_RETURN(ch.offsets, r.U64Array((*chunks)[c], "offsets", cp, format::kMaxRank));
-      CAIRN_ASSIGN_OR_RETURN(ch.sizes, r.U64Array((*chunks)[c], "sizes", cp, format::kMaxRank));
+      CAIRN_ASSIGN_OR_RETURN(ch.offsets, r.U64Array((*chunks)[c], "offsets", cp, format::kMaxDims));
+      CAIRN_ASSIGN_OR_RETURN(ch.sizes, r.U64Array((*chunks)[c], "sizes", cp, format::kMaxDims));
       t.chunks.push_back(std::move(ch));
     }
     m.tensors.push_back(std::move(t));

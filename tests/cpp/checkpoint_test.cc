@@ -116,6 +116,9 @@ TEST_P(CheckpointTest, NoManifestIsNotFound) {
   r = CheckpointReader::Open(fs_.get(), "partial");
   EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
   EXPECT_NE(r.status().message().find("partial"), std::string::npos);
+  // Verify is stricter: an existing directory without a manifest is not intact.
+  EXPECT_EQ(Verify(fs_.get(), "partial", &pool_).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(Verify(fs_.get(), "nothing", &pool_).code(), StatusCode::kNotFound);
 }
 
 TEST_P(CheckpointTest, FlippedDataByteIsDataLossNamingFileAndTensor) {
@@ -314,6 +317,38 @@ TEST_P(CheckpointTest, LatestValidSkipsPartialCheckpoints) {
   EXPECT_EQ(list->back().name, "step_500");
   EXPECT_FALSE(list->back().committed);
   EXPECT_EQ((*list)[4].status.code(), StatusCode::kDataLoss);  // step_400
+}
+
+TEST_P(CheckpointTest, LatestValidOrdersOtherNamesByCreationTime) {
+  // Without step numbers, the manifest's creation time decides, not the name.
+  for (auto [name, ms] :
+       std::vector<std::pair<std::string, int64_t>>{{"r/b", 3000}, {"r/a", 5000}, {"r/c", 1000}}) {
+    Manifest m;
+    m.created_unix_ms = ms;
+    ASSERT_TRUE(CommitManifest(fs_.get(), name, m).ok());
+  }
+  auto latest = LatestValid(fs_.get(), "r");
+  ASSERT_TRUE(latest.ok());
+  EXPECT_EQ(latest->value_or(""), "a");
+  // Any step_<N> directory is newer than those.
+  Manifest m;
+  m.created_unix_ms = 1;
+  ASSERT_TRUE(CommitManifest(fs_.get(), "r/step_0", m).ok());
+  EXPECT_EQ(LatestValid(fs_.get(), "r")->value_or(""), "step_0");
+}
+
+TEST_P(CheckpointTest, VerifyReportsProgressUpToTheTotal) {
+  ASSERT_TRUE(Save("ck").ok());
+  std::atomic<uint64_t> max_done{0}, total{0};
+  Status s = Verify(fs_.get(), "ck", &pool_, [&](uint64_t d, uint64_t t) {
+    uint64_t prev = max_done.load();
+    while (d > prev && !max_done.compare_exchange_weak(prev, d)) {
+    }
+    total = t;
+  });
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(total.load(), *fs_.get()->FileSize("ck/data/r0.bin"));
+  EXPECT_EQ(max_done.load(), total.load());
 }
 
 TEST_P(CheckpointTest, LatestValidOfAnEmptyOrMissingRoot) {

@@ -74,6 +74,16 @@ def test_flipped_data_byte_names_file_and_tensor(ckpt):
         cairn.verify(ckpt)
 
 
+def test_unwrap_returns_the_rank_error(ckpt):
+    flip(ckpt / "data" / "r0.bin", item_offset(ckpt, "model.w") + 100)
+    with pytest.raises(BaseException) as info:
+        dcp.load({"model.w": torch.zeros(256, 64)}, storage_reader=cairn.Reader(ckpt))
+    err = cairn.dcp.unwrap(info.value)
+    assert isinstance(err, cairn.CorruptionError) and "tensor 'model.w'" in str(err)
+    plain = ValueError("x")
+    assert cairn.dcp.unwrap(plain) is plain
+
+
 def test_truncated_data_file_names_file_and_tensor(ckpt):
     data = ckpt / "data" / "r0.bin"
     os.truncate(data, os.path.getsize(data) - 100)
@@ -102,6 +112,14 @@ def test_damaged_manifest_is_corruption(ckpt, where):
         cairn.Reader(ckpt)
     with pytest.raises(cairn.CorruptionError):
         cairn.verify(ckpt)
+
+
+def test_deleted_manifest_fails_verify(ckpt):
+    os.remove(ckpt / "cairn.manifest")
+    with pytest.raises(cairn.CorruptionError, match="partial"):
+        cairn.verify(ckpt)
+    with pytest.raises(FileNotFoundError):  # nothing committed to load
+        cairn.Reader(ckpt)
 
 
 def test_truncated_manifest_is_corruption(ckpt):

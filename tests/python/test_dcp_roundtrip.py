@@ -100,6 +100,10 @@ def test_checkpoint_id_and_reuse_of_writer_and_reader(tmp_path):
         dcp.load(out, checkpoint_id=tmp_path / f"step_{step}", storage_reader=reader)
         assert out["n"] == step
         assert torch.equal(out["a"], torch.arange(10.0) + step)
+    reader.close()  # releases the files; the next use reopens
+    out = {"a": torch.zeros(10), "n": 0}
+    dcp.load(out, storage_reader=reader)
+    assert out["n"] == 2
     assert cairn.latest_valid(tmp_path) == f"{tmp_path}/step_2"
 
 
@@ -186,6 +190,8 @@ def test_missing_checkpoint_is_file_not_found(tmp_path):
         cairn.Reader(tmp_path / "partial")
     with pytest.raises(FileNotFoundError):
         cairn.verify(tmp_path / "nope")
+    with pytest.raises(cairn.CorruptionError, match="partial"):
+        cairn.verify(tmp_path / "partial")
 
 
 def test_manifest_is_not_pickle_and_documents_the_state(tmp_path):
@@ -218,8 +224,10 @@ def test_latest_valid_and_list(tmp_path):
         ("step_40", True),
         ("step_300", False),
     ]
+    # The first run of a job has no checkpoint root yet: nothing to resume.
+    assert cairn.latest_valid(tmp_path / "missing") is None
     with pytest.raises(FileNotFoundError):
-        cairn.latest_valid(tmp_path / "missing")
+        cairn.list_checkpoints(tmp_path / "missing")
 
 
 def test_stock_checkpoints_are_delegated(tmp_path, monkeypatch):
