@@ -1,0 +1,869 @@
+"""Loading checkpoints written by stock ``dcp.save`` (the filesystem writer), safely.
+
+A stock checkpoint directory holds::
+
+    .metadata            a pickled torch.distributed.checkpoint.metadata.Metadata
+    __<rank>_<n>.distcp  data files; every item is a byte range in one of them:
+                         a tensor item is one ``torch.save``'d tensor (a zip file),
+                         a non-tensor item is the planner's ``torch.save(obj)`` bytes
+
+(``__<rank>.metadata`` replaces ``.metadata`` when it was saved without collectives.)
+
+Stock ``FileSystemReader`` loads ``.metadata`` with ``pickle.load``: a hostile
+checkpoint runs arbitrary code. :class:`StockReader` never does. It loads in
+three steps:
+
+1. **Decode into stand-ins.** A restricted unpickler resolves only the handful of
+   globals a DCP metadata pickle names (the metadata dataclasses, ``torch.Size``,
+   dtypes, layouts, paths) and each resolves to an inert stand-in created for this
+   one decode, so ``BUILD`` opcodes cannot touch any real class or global object.
+   Any other global (``os.system``, ``builtins.eval``...) stops decoding with
+   :class:`cairn.CorruptionError` before anything is called.
+2. **Validate and convert.** The stand-ins are checked field by field (types,
+   non-negative sizes, chunks inside their tensor, data file names that are plain
+   file names inside the checkpoint directory) and converted to the real DCP
+   metadata objects that ``dcp.load``'s planner expects.
+3. **Read items.** Data files are opened by validated name relative to the
+   checkpoint directory without following symlinks; every range is bounds-checked
+   against the file size before it is read. A tensor item's zip CRC32s are
+   verified (torch.save writes them); its ``data.pkl`` is decoded by a second
+   restricted unpickler that only recognises torch.save's one-tensor form
+   (rebuild function, storage class, sizes, strides), and the tensor is then a
+   bounds-checked strided view of the bytes just read, narrowed to the slice
+   the destination needs (resharding) and copied into it. Any other form is
+   decoded with ``torch.load(weights_only=True)``. Non-tensor items are handed
+   to the planner (which unpickles them with ``weights_only=False``) only if
+   they also decode with ``weights_only=True``, unless the caller passes
+   ``allow_pickle=True``.
+
+Items are read, verified and copied in parallel on a small thread pool (the
+heavy calls release the GIL); calls into the planner are serialized by a lock
+because DCP planners are not thread-safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pathlib
+import pickle
+import struct
+import sys
+import threading
+import warnings
+import zipfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint import metadata as _md
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+
+from cairn.errors import CorruptionError, InvalidArgumentError, NotFoundError
+
+__all__ = ["is_stock_checkpoint", "StockReader", "read_stock_metadata", "check_value_is_safe"]
+
+METADATA_FILE = ".metadata"
+_PICKLE_PROTO = 0x80  # first byte of a protocol >= 2 pickle
+
+_DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
+_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+_MEM_FORMATS = {
+    0: torch.contiguous_format,
+    1: torch.channels_last,
+    2: torch.preserve_format,
+}
+
+
+def _local_path(path: str | os.PathLike) -> str:
+    p = os.fspath(path)
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    if p.startswith("file://"):
+        p = p[len("file://") :]
+    return p
+
+
+def is_stock_checkpoint(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a directory holding a stock DCP ``.metadata`` pickle
+    (global, or rank 0's when saved without collectives). Reads one byte."""
+    try:
+        d = _local_path(path)
+    except TypeError:
+        return False
+    for name in (METADATA_FILE, f"__0{METADATA_FILE}"):
+        f = os.path.join(d, name)
+        try:
+            if not os.path.isfile(f) or os.path.islink(f):
+                continue
+            with open(f, "rb") as fh:
+                if fh.read(1) == bytes([_PICKLE_PROTO]):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+# ----------------------------------------------------------------------------
+# Step 1: decode the pickle into inert stand-ins.
+
+
+class _Obj:
+    """Stand-in for a metadata dataclass instance: just a bag of attributes."""
+
+    __slots__ = ("kind", "fields", "state")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.fields: dict[str, Any] = {}
+        self.state: Any = None
+
+
+class _Enum:
+    """Stand-in for a ``_MEM_FORMAT_ENCODING`` member."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+_DATACLASSES = (
+    "Metadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "StorageMeta",
+    "MetadataIndex",
+    "_StorageInfo",
+)
+# Where each class has lived across torch releases (all map to the stand-ins).
+_CLASS_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed._shard.sharded_tensor.metadata",
+    "torch.distributed._shard.metadata",
+)
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Unpickler whose globals are fresh, per-decode stand-ins (see step 1)."""
+
+    def __init__(self, file, source: str):
+        super().__init__(file)
+        self._source = source
+        self._globals: dict[tuple[str, str], Any] = {}
+
+    def _stand_in(self, module: str, name: str) -> Any:
+        if module in _CLASS_MODULES and name in _DATACLASSES:
+            kind = name
+
+            class StandIn(_Obj):  # a new class per decode: BUILD cannot leak
+                __slots__ = ()
+
+                def __new__(cls, *args, **kwargs):
+                    if args or kwargs:
+                        raise CorruptionError("unexpected constructor arguments")
+                    self = _Obj.__new__(cls)
+                    _Obj.__init__(self, kind)
+                    return self
+
+                def __init__(self, *args, **kwargs):
+                    pass
+
+                def __setstate__(self, state):
+                    if isinstance(state, dict):
+                        self.fields.update(state)
+                    elif (
+                        isinstance(state, tuple)
+                        and len(state) == 2
+                        and (state[0] is None or isinstance(state[0], dict))
+                        and isinstance(state[1], dict)
+                    ):
+                        self.fields.update(state[0] or {})
+                        self.fields.update(state[1])
+                    else:
+                        self.state = state
+
+            StandIn.__name__ = f"StandIn_{name}"
+            return StandIn
+        if module in _CLASS_MODULES and name in ("_MEM_FORMAT_ENCODING", "MEM_FORMAT_ENCODING"):
+            return lambda value: _Enum(value)
+        if module == "torch" and name == "Size":
+            return lambda dims=(): _make_size(dims)
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]  # immutable singletons
+        if module == "torch.serialization" and name == "_get_layout":
+            return lambda name: _layout_by_name(name)
+        if module == "pathlib" and name in (
+            "PosixPath",
+            "PurePosixPath",
+            "WindowsPath",
+            "PureWindowsPath",
+            "Path",
+        ):
+            return lambda *parts: _path_from_parts(parts)
+        if module == "collections" and name == "OrderedDict":
+            return lambda *args: dict(*args)
+        return None
+
+    def find_class(self, module: str, name: str) -> Any:
+        key = (module, name)
+        if key not in self._globals:
+            obj = self._stand_in(module, name)
+            if obj is None:
+                raise CorruptionError(
+                    f"{self._source}: refusing to unpickle '{module}.{name}': it is not "
+                    "part of DCP checkpoint metadata (a hostile or foreign .metadata file)"
+                )
+            self._globals[key] = obj
+        return self._globals[key]
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise CorruptionError(f"{self._source}: unexpected persistent id in .metadata")
+
+
+def _make_size(dims: Any) -> torch.Size:
+    if not isinstance(dims, (tuple, list)) or not all(
+        type(d) is int and d >= 0 for d in dims
+    ):
+        raise CorruptionError(f"malformed torch.Size {dims!r}")
+    return torch.Size(dims)
+
+
+def _layout_by_name(name: Any) -> torch.layout:
+    if not isinstance(name, str) or name not in _LAYOUTS:
+        raise CorruptionError(f"unknown tensor layout {name!r}")
+    return _LAYOUTS[name]
+
+
+def _path_from_parts(parts: tuple) -> str:
+    if not all(isinstance(p, str) for p in parts):
+        raise CorruptionError("malformed path in .metadata")
+    return str(pathlib.PurePosixPath(*parts)) if parts else ""
+
+
+# ----------------------------------------------------------------------------
+# Step 2: validate the stand-ins and convert them to real DCP objects.
+
+
+class _Converter:
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, what: str) -> CorruptionError:
+        return CorruptionError(f"{self.source}: malformed checkpoint metadata: {what}")
+
+    def obj(self, value: Any, kind: str, where: str) -> dict[str, Any]:
+        if not isinstance(value, _Obj) or _obj_kind(value) != kind:
+            raise self.fail(f"{where} is not a {kind}")
+        return value.fields
+
+    def size(self, value: Any, where: str) -> torch.Size:
+        if not isinstance(value, torch.Size):
+            # Old pickles may store plain tuples/lists.
+            if isinstance(value, (tuple, list)):
+                try:
+                    return _make_size(value)
+                except CorruptionError:
+                    pass
+            raise self.fail(f"{where} is not a size")
+        return value
+
+    def properties(self, value: Any, where: str) -> _md.TensorProperties:
+        if not isinstance(value, _Obj) or _obj_kind(value) != "TensorProperties":
+            raise self.fail(f"{where}.properties is not TensorProperties")
+        state = value.state
+        if state is None:  # pickled as a plain dict by some releases
+            f = value.fields
+            state = (
+                f.get("dtype"),
+                f.get("layout", torch.strided),
+                f.get("requires_grad", False),
+                f.get("memory_format", _Enum(0)),
+                f.get("pin_memory", False),
+            )
+        if not isinstance(state, tuple) or len(state) != 5:
+            raise self.fail(f"{where}.properties has an unexpected shape")
+        dtype, layout, requires_grad, mem, pin = state
+        if not isinstance(dtype, torch.dtype):
+            raise self.fail(f"{where} has no valid dtype")
+        if not isinstance(layout, torch.layout):
+            raise self.fail(f"{where} has no valid layout")
+        if isinstance(mem, _Enum):
+            if mem.value not in _MEM_FORMATS:
+                raise self.fail(f"{where} has an unknown memory format")
+            mem = _MEM_FORMATS[mem.value]
+        elif not isinstance(mem, torch.memory_format):
+            raise self.fail(f"{where} has an unknown memory format")
+        return _md.TensorProperties(
+            dtype=dtype,
+            layout=layout,
+            requires_grad=bool(requires_grad),
+            memory_format=mem,
+            pin_memory=bool(pin),
+        )
+
+    def tensor_md(self, value: Any, where: str) -> _md.TensorStorageMetadata:
+        f = self.obj(value, "TensorStorageMetadata", where)
+        props = self.properties(f.get("properties"), where)
+        size = self.size(f.get("size"), f"{where}.size")
+        chunks_in = f.get("chunks")
+        if not isinstance(chunks_in, list):
+            raise self.fail(f"{where}.chunks is not a list")
+        chunks = []
+        for i, c in enumerate(chunks_in):
+            cf = self.obj(c, "ChunkStorageMetadata", f"{where}.chunks[{i}]")
+            offs = self.size(cf.get("offsets"), f"{where}.chunks[{i}].offsets")
+            sizes = self.size(cf.get("sizes"), f"{where}.chunks[{i}].sizes")
+            if len(offs) != len(size) or len(sizes) != len(size):
+                raise self.fail(f"{where}.chunks[{i}] has the wrong rank")
+            if any(o + s > d for o, s, d in zip(offs, sizes, size)):
+                raise self.fail(f"{where}.chunks[{i}] lies outside the tensor")
+            chunks.append(_md.ChunkStorageMetadata(offsets=offs, sizes=sizes))
+        return _md.TensorStorageMetadata(properties=props, size=size, chunks=chunks)
+
+    def index(self, value: Any, where: str) -> _md.MetadataIndex:
+        f = self.obj(value, "MetadataIndex", where)
+        fqn = f.get("fqn")
+        if not isinstance(fqn, str):
+            raise self.fail(f"{where}.fqn is not a string")
+        offset = f.get("offset")
+        if offset is not None:
+            offset = self.size(offset, f"{where}.offset")
+        idx = f.get("index")
+        if idx is not None and type(idx) is not int:
+            raise self.fail(f"{where}.index is not an int")
+        return _md.MetadataIndex(fqn=fqn, offset=offset, index=idx)
+
+    def storage_info(self, value: Any, where: str) -> _StorageInfo:
+        f = self.obj(value, "_StorageInfo", where)
+        rel = f.get("relative_path")
+        off = f.get("offset")
+        length = f.get("length")
+        td = f.get("transform_descriptors")
+        if not _is_plain_file_name(rel):
+            raise self.fail(
+                f"{where}: data file name {rel!r} is not a plain file name in the "
+                "checkpoint directory"
+            )
+        if type(off) is not int or type(length) is not int or off < 0 or length < 0:
+            raise self.fail(f"{where}: bad offset/length {off!r}/{length!r}")
+        if td:
+            raise InvalidArgumentError(
+                f"{self.source}: item {where} uses stream transforms {list(td)!r} "
+                "(e.g. compression), which cairn's stock reader does not support"
+            )
+        return _StorageInfo(relative_path=rel, offset=off, length=length)
+
+    def metadata(self, value: Any) -> _md.Metadata:
+        f = self.obj(value, "Metadata", "the root object")
+        sdm_in = f.get("state_dict_metadata")
+        if not isinstance(sdm_in, dict):
+            raise self.fail("state_dict_metadata is not a dict")
+        sdm: dict[str, Any] = {}
+        for fqn, v in sdm_in.items():
+            if not isinstance(fqn, str):
+                raise self.fail(f"key {fqn!r} is not a string")
+            if _obj_kind(v) == "BytesStorageMetadata":
+                sdm[fqn] = _md.BytesStorageMetadata()
+            else:
+                sdm[fqn] = self.tensor_md(v, repr(fqn))
+
+        planner_data = f.get("planner_data")
+        if planner_data is not None:
+            if not isinstance(planner_data, dict):
+                raise self.fail("planner_data is not a dict")
+            for k, path in planner_data.items():
+                if not isinstance(k, str) or not isinstance(path, tuple):
+                    raise self.fail(f"planner_data[{k!r}] is malformed")
+                if not all(isinstance(p, (str, int)) for p in path):
+                    raise self.fail(f"planner_data[{k!r}] is malformed")
+
+        sd_in = f.get("storage_data")
+        if not isinstance(sd_in, dict):
+            raise self.fail("storage_data is not a dict")
+        storage: dict[_md.MetadataIndex, _StorageInfo] = {}
+        for i, (k, v) in enumerate(sd_in.items()):
+            idx = self.index(k, f"storage_data key #{i}")
+            storage[idx] = self.storage_info(v, f"{idx.fqn!r}")
+
+        # Every item the planner may ask for must have a location.
+        for fqn, v in sdm.items():
+            if isinstance(v, _md.BytesStorageMetadata):
+                wanted = [_md.MetadataIndex(fqn)]
+            else:
+                wanted = [_md.MetadataIndex(fqn, c.offsets) for c in v.chunks]
+            for w in wanted:
+                if w not in storage:
+                    raise self.fail(f"no data location for {fqn!r} at {w.offset}")
+
+        meta = None
+        sm = f.get("storage_meta")
+        if sm is not None:
+            smf = self.obj(sm, "StorageMeta", "storage_meta")
+            ck = smf.get("checkpoint_id")
+            meta = _md.StorageMeta(
+                checkpoint_id=ck if isinstance(ck, str) else None,
+                save_id=smf.get("save_id") if isinstance(smf.get("save_id"), str) else None,
+                modules=[m for m in smf.get("modules") or [] if isinstance(m, str)],
+            )
+        version = f.get("version")
+        if version is not None and not isinstance(version, str):
+            raise self.fail("version is not a string")
+        if isinstance(version, str) and not version.startswith("1."):
+            raise InvalidArgumentError(
+                f"{self.source}: unsupported DCP metadata version {version!r}"
+            )
+        return _md.Metadata(
+            state_dict_metadata=sdm,
+            planner_data=planner_data,
+            storage_data=storage,
+            storage_meta=meta,
+            version=version,
+        )
+
+
+def _obj_kind(value: Any) -> str | None:
+    if isinstance(value, _Obj):
+        try:
+            return value.kind
+        except AttributeError:
+            return None
+    return None
+
+
+def _is_plain_file_name(name: Any) -> bool:
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+    )
+
+
+def read_stock_metadata(path: str | os.PathLike, rank: int | None = None) -> _md.Metadata:
+    """Reads and validates a stock checkpoint's metadata without unsafe unpickling.
+
+    Raises NotFoundError when the file is missing, CorruptionError when it is not
+    a well-formed DCP metadata pickle (including any pickle that names a global
+    outside DCP's metadata classes)."""
+    d = _local_path(path)
+    name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+    f = os.path.join(d, name)
+    try:
+        fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError as e:
+        raise NotFoundError(f"{f}: no DCP metadata file") from e
+    except OSError as e:
+        raise CorruptionError(f"{f}: cannot open DCP metadata: {e.strerror}") from e
+    with os.fdopen(fd, "rb") as fh:
+        raw = fh.read()
+    try:
+        root = _RestrictedUnpickler(io.BytesIO(raw), f).load()
+    except CorruptionError:
+        raise
+    except Exception as e:  # any decoding failure of untrusted bytes
+        raise CorruptionError(f"{f}: unreadable DCP metadata: {e}") from e
+    try:
+        return _Converter(f).metadata(root)
+    except (CorruptionError, InvalidArgumentError):
+        raise
+    except Exception as e:  # e.g. an unhashable value where a key belongs
+        raise CorruptionError(f"{f}: malformed checkpoint metadata ({e!r})") from e
+
+
+# ----------------------------------------------------------------------------
+# Step 3: read items.
+
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+_LOCAL_MAGIC = b"PK\x03\x04"
+
+
+class _MemFile(io.RawIOBase):
+    """A read-only, seekable file over a buffer, without copying it (zipfile
+    only reads the small central directory through it)."""
+
+    def __init__(self, buf) -> None:
+        super().__init__()
+        self._view = memoryview(buf)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        b[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+class _Archive:
+    """The entries of one torch.save zip held in memory: name -> (start, end)
+    of its stored bytes. Verifies CRC32s when asked."""
+
+    def __init__(self, buf, where: str, verify_crc: bool) -> None:
+        view = memoryview(buf)
+        try:
+            infos = zipfile.ZipFile(_MemFile(buf)).infolist()
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+            raise CorruptionError(f"{where}: not a torch.save archive ({e})") from e
+        self.entries: dict[str, tuple[int, int]] = {}
+        self.stored = True
+        for info in infos:
+            h = info.header_offset
+            if h < 0 or h + _LOCAL_HEADER.size > len(view):
+                raise CorruptionError(f"{where}: zip entry {info.filename} out of range")
+            fields = _LOCAL_HEADER.unpack_from(view, h)
+            if fields[0] != _LOCAL_MAGIC:
+                raise CorruptionError(f"{where}: zip entry {info.filename} has a bad header")
+            start = h + _LOCAL_HEADER.size + fields[9] + fields[10]
+            end = start + info.compress_size
+            if end > len(view):
+                raise CorruptionError(f"{where}: zip entry {info.filename} is truncated")
+            if info.compress_type != zipfile.ZIP_STORED:
+                self.stored = False  # torch.save never compresses; let torch.load try
+                continue
+            if verify_crc and zlib.crc32(view[start:end]) != info.CRC:
+                raise CorruptionError(
+                    f"{where}: checksum mismatch in {info.filename} (if it was saved "
+                    "with CRC32 disabled, pass verify_crc=False)"
+                )
+            self.entries[info.filename] = (start, end)
+
+
+# torch.save's legacy storage classes, as named in data.pkl, and their dtypes.
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32,
+    "DoubleStorage": torch.float64,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128,
+}
+
+
+class _NotSimple(Exception):
+    """data.pkl is not the plain one-tensor form: decode with torch.load."""
+
+
+class _TensorRecipe(pickle.Unpickler):
+    """Decodes the data.pkl of ``torch.save(tensor)`` into (storage key, dtype,
+    numel, storage offset, size, stride) without building anything: only the
+    rebuild function, OrderedDict and storage classes are recognised, and
+    anything else means "not simple" (the caller falls back to torch.load with
+    weights_only=True)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _recipe
+        if (module, name) == ("collections", "OrderedDict"):
+            return _empty_hooks
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return ("storage_type", _STORAGE_DTYPES[name])
+        raise _NotSimple(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if (
+            isinstance(pid, tuple)
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and isinstance(pid[1], tuple)
+            and pid[1][:1] == ("storage_type",)
+            and isinstance(pid[2], str)
+            and type(pid[4]) is int
+        ):
+            return ("storage", pid[1][1], pid[2], pid[4])
+        raise _NotSimple("storage id")
+
+
+def _empty_hooks(*args: Any) -> dict:
+    if args:
+        raise _NotSimple("hooks")
+    return {}
+
+
+def _recipe(storage, offset, size, stride, requires_grad, hooks, *rest) -> tuple:
+    if not (
+        isinstance(storage, tuple)
+        and storage[:1] == ("storage",)
+        and type(offset) is int
+        and isinstance(size, tuple)
+        and isinstance(stride, tuple)
+        and len(size) == len(stride)
+        and all(type(x) is int for x in size + stride)
+        and not hooks
+        and (not rest or rest[0] in (None, {}))
+    ):
+        raise _NotSimple("rebuild arguments")
+    _, dtype, key, numel = storage
+    return ("tensor", dtype, key, numel, offset, size, stride)
+
+
+def _decode_tensor(buf: bytearray, where: str, verify_crc: bool) -> torch.Tensor:
+    """The tensor of a torch.save item held in ``buf``: a strided view of
+    ``buf`` itself when the archive has the plain one-tensor form (no copy),
+    else torch.load(weights_only=True)."""
+    archive = _Archive(buf, where, verify_crc)
+    view = memoryview(buf)
+    pkl = [n for n in archive.entries if n.endswith("/data.pkl") and n.count("/") == 1]
+    try:
+        if not archive.stored or len(pkl) != 1:
+            raise _NotSimple("layout")
+        prefix = pkl[0][: -len("data.pkl")]
+        order = archive.entries.get(prefix + "byteorder")
+        if order is not None and bytes(view[order[0] : order[1]]) != sys.byteorder.encode():
+            raise _NotSimple("byte order")
+        s, e = archive.entries[pkl[0]]
+        recipe = _TensorRecipe(io.BytesIO(view[s:e])).load()
+        if not (isinstance(recipe, tuple) and recipe[:1] == ("tensor",)):
+            raise _NotSimple("not a tensor")
+    except CorruptionError:
+        raise
+    except Exception:  # _NotSimple, or a data.pkl this decoder does not know
+        try:
+            t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CorruptionError(f"{where}: undecodable tensor item ({e})") from e
+        if not isinstance(t, torch.Tensor):
+            raise CorruptionError(f"{where}: item is a {type(t).__name__}, not a tensor")
+        return t
+
+    _, dtype, key, numel, offset, size, stride = recipe
+    rng = archive.entries.get(f"{prefix}data/{key}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if rng is None or rng[1] - rng[0] != numel * itemsize:
+        raise CorruptionError(f"{where}: tensor storage is missing or has the wrong size")
+    if any(d < 0 for d in size) or any(st < 0 for st in stride) or offset < 0:
+        raise CorruptionError(f"{where}: negative tensor geometry")
+    if 0 not in size:
+        extent = offset + 1 + sum((d - 1) * st for d, st in zip(size, stride))
+        if extent > numel:
+            raise CorruptionError(f"{where}: tensor view exceeds its storage")
+    if numel == 0:
+        return torch.empty(size, dtype=dtype)
+    with warnings.catch_warnings():  # frombuffer warns about writable buffers
+        warnings.simplefilter("ignore")
+        flat = torch.frombuffer(buf, dtype=dtype, count=numel, offset=rng[0])
+    return flat.as_strided(size, stride, offset)
+
+
+def check_value_is_safe(data, where: str) -> None:
+    """Raises CorruptionError unless ``data`` (a non-tensor item: the planner's
+    ``torch.save(obj)`` bytes) decodes with ``torch.load(weights_only=True)``.
+
+    DCP's DefaultLoadPlanner.load_bytes unpickles such items with
+    ``weights_only=False``, so without this check a hostile checkpoint runs
+    code through any non-tensor value. Plain Python values (numbers, strings,
+    lists, dicts, tuples), tensors and torch.serialization.add_safe_globals'
+    types pass."""
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).splitlines()[0] if str(e) else repr(e)
+        raise CorruptionError(
+            f"{where}: this non-tensor value needs unrestricted unpickling, refused; "
+            f"pass allow_pickle=True if you trust this checkpoint ({first})"
+        ) from e
+    except Exception as e:
+        raise CorruptionError(f"{where}: unreadable value ({e})") from e
+
+
+class StockReader(StorageReader):
+    """A DCP ``StorageReader`` for checkpoints written by stock ``dcp.save``
+    with the filesystem writer, without unsafe unpickling (see the module doc).
+
+    Supports loading on any world size (resharding: each request is narrowed to
+    the slice the destination needs). One instance serves one ``dcp.load`` at a
+    time; ``read_data`` uses an internal thread pool that it joins before
+    returning. A tensor item in torch.save's plain one-tensor form is viewed in
+    place in the bytes read (one copy, into the destination); other forms are
+    decoded with ``torch.load(weights_only=True)``.
+
+    Args:
+        path: the checkpoint directory (or ``file://`` URI).
+        thread_count: items read in parallel (default: CPUs, at most 8).
+        verify_crc: check each tensor item's zip CRC32s (torch.save writes them).
+        allow_pickle: hand non-tensor items that need arbitrary unpickling to the
+            planner anyway. Only for checkpoints you trust.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        thread_count: int | None = None,
+        verify_crc: bool = True,
+        allow_pickle: bool = False,
+    ) -> None:
+        super().__init__()
+        self.path = _local_path(path)
+        self.thread_count = thread_count or min(8, os.cpu_count() or 1)
+        self.verify_crc = verify_crc
+        self.allow_pickle = allow_pickle
+        self.storage_data: dict[_md.MetadataIndex, _StorageInfo] = {}
+        self._chunks: dict[_md.MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
+        self._lock = threading.Lock()
+
+    # -- StorageReader -----------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.storage_data = {}
+        self._chunks = {}
+        if checkpoint_id:
+            self.path = _local_path(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> _md.Metadata:
+        md = read_stock_metadata(self.path, kwargs.get("rank"))
+        return md
+
+    def set_up_storage_reader(
+        self, metadata: _md.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.storage_data = metadata.storage_data
+        self._chunks = {}
+        for fqn, v in metadata.state_dict_metadata.items():
+            if isinstance(v, _md.TensorStorageMetadata):
+                for c in v.chunks:
+                    self._chunks[_md.MetadataIndex(fqn, c.offsets)] = (
+                        c.sizes,
+                        v.properties.dtype,
+                    )
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list] = collections.defaultdict(list)
+        for req in plan.items:
+            info = self.storage_data.get(req.storage_index)
+            if info is None:
+                raise CorruptionError(
+                    f"{self.path}: no data location for {req.storage_index.fqn!r}"
+                )
+            per_file[info.relative_path].append(req)
+        fds: dict[str, tuple[int, int]] = {}  # relative path -> (fd, size)
+        try:
+            jobs = []
+            for rel, reqs in per_file.items():
+                fds[rel] = self._open_data_file(rel, reqs[0].storage_index.fqn)
+                reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
+                jobs += [(rel, req) for req in reqs]
+            # Items are independent: read, verify and copy them in parallel
+            # (preadv, crc32 and copy_ all release the GIL).
+            if self.thread_count <= 1 or len(jobs) <= 1:
+                for rel, req in jobs:
+                    self._read_item(rel, *fds[rel], req, planner)
+            else:
+                with ThreadPoolExecutor(min(self.thread_count, len(jobs))) as pool:
+                    futures = [
+                        pool.submit(self._read_item, rel, *fds[rel], req, planner)
+                        for rel, req in jobs
+                    ]
+                    for f in futures:
+                        f.result()
+        finally:
+            for fd, _ in fds.values():
+                os.close(fd)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return is_stock_checkpoint(checkpoint_id)
+
+    # -- internals ---------------------------------------------------------
+
+    def _open_data_file(self, rel: str, fqn: str) -> tuple[int, int]:
+        fname = os.path.join(self.path, rel)
+        try:
+            fd = os.open(fname, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError as e:
+            raise CorruptionError(f"{fname}: data file of tensor {fqn!r} is missing") from e
+        except OSError as e:
+            raise CorruptionError(
+                f"{fname}: cannot open data file of tensor {fqn!r}: {e.strerror}"
+            ) from e
+        return fd, os.fstat(fd).st_size
+
+    def _read_item(self, rel: str, fd: int, file_size: int, req, planner) -> None:
+        info = self.storage_data[req.storage_index]
+        where = f"{os.path.join(self.path, rel)}: tensor {req.storage_index.fqn!r}"
+        if info.offset + info.length > file_size:
+            raise CorruptionError(
+                f"{where}: data file is truncated (item ends at "
+                f"{info.offset + info.length}, file has {file_size} bytes)"
+            )
+        data = bytearray(info.length)
+        if info.length and os.preadv(fd, [data], info.offset) != info.length:
+            raise CorruptionError(f"{where}: short read")
+        if req.type == LoadItemType.BYTE_IO:
+            self._load_bytes(req, data, where, planner)
+        else:
+            self._load_tensor(req, data, where, planner)
+
+    def _load_bytes(self, req, data: bytearray, where: str, planner: LoadPlanner) -> None:
+        if not self.allow_pickle:
+            check_value_is_safe(data, where)
+        with self._lock:
+            planner.load_bytes(req, io.BytesIO(data))
+
+    def _load_tensor(self, req, data: bytearray, where: str, planner: LoadPlanner) -> None:
+        t = _decode_tensor(data, where, self.verify_crc)
+        expected = self._chunks.get(req.storage_index)
+        if expected is not None:
+            sizes, dtype = expected
+            if t.shape != sizes or t.dtype != dtype:
+                raise CorruptionError(
+                    f"{where}: stored chunk is {t.dtype}{list(t.shape)}, metadata says "
+                    f"{dtype}{list(sizes)}"
+                )
+        if len(req.storage_offsets) != t.dim() or len(req.lengths) != t.dim():
+            raise CorruptionError(f"{where}: request rank does not match the chunk")
+        for dim, (off, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+            if off < 0 or n < 0 or off + n > t.shape[dim]:
+                raise CorruptionError(f"{where}: request lies outside the stored chunk")
+            t = t.narrow(dim, off, n)
+        with self._lock:
+            target = planner.resolve_tensor(req).detach()
+        if target.shape != t.shape:
+            raise CorruptionError(
+                f"{where}: destination slice is {list(target.shape)}, stored slice "
+                f"is {list(t.shape)}"
+            )
+        target.copy_(t)
+        with self._lock:
+            planner.commit_tensor(req, target)

@@ -1,0 +1,65 @@
+"""Smoke tests: the checkpoint benchmark and the README demo keep running.
+
+No timing assertions (benchmarks live in bench/): only that the scripts run to
+completion and the benchmark writes well-formed JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO / "python") + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_checkpoint_benchmark_runs_and_writes_json(tmp_path):
+    out = tmp_path / "checkpoint.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "checkpoint.py"),
+            "--size-gb", "0.02",
+            "--reps", "1",
+            "--dir", str(tmp_path),
+            "--json", str(out),
+            "--no-drop-caches",
+            "--allow-tmpfs",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    assert result["meta"]["state_tensors"] >= 198
+    assert set(result["floors"]) == {"memcpy", "direct-I/O write", "direct-I/O read"}
+    assert set(result["peers"]) == {"torch.save", "dcp", "cairn"}
+    for ops in result["peers"].values():
+        for op in ("save", "load"):
+            assert ops[op]["median_s"] > 0 and math.isfinite(ops[op]["GBps"])
+    assert "cairn_save_time / dcp_save_time" in result["ratios"]
+    assert "cairn_save_bw / direct_write_bw" in result["ratios"]
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.json"]  # scratch removed
+
+
+def test_demo_runs(tmp_path):
+    r = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "demo.py"), "--root", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "bit-identical" in r.stdout and "demo OK" in r.stdout
