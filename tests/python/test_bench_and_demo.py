@@ -55,7 +55,7 @@ def test_checkpoint_benchmark_runs_and_writes_json(tmp_path):
 
 def test_demo_runs(tmp_path):
     r = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "demo.py"), "--root", str(tmp_path / "d")],
+        [sys.executable, str(REPO / "examples" / "reshard_demo.py"), "--root", str(tmp_path / "d")],
         capture_output=True,
         text=True,
         env=_env(),
@@ -63,3 +63,15 @@ def test_demo_runs(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "bit-identical" in r.stdout and "demo OK" in r.stdout
+
+
+def test_resume_demo_is_bit_exact(tmp_path):
+    r = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "resume_demo.py"), "--steps", "20",
+         "--ckpt-every", "5", "--crash-at-step", "12", "--workdir", str(tmp_path / "w")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "bitwise equal to the uninterrupted run: True" in r.stdout
+    assert "same sample sequence as the uninterrupted run: True" in r.stdout
+    assert "demo: OK" in r.stdout

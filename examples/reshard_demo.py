@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """cairn demo: save a sharded checkpoint on 2 ranks, load it on 3, verify it.
 
-    python examples/demo.py [--root DIR] [--keep]
+    python examples/reshard_demo.py [--root DIR] [--keep]
 
 1. 2 gloo (CPU) ranks train a small FSDP2-sharded MLP with Adam for a few
    steps and save model + optimizer with ``dcp.save(..., cairn.Writer(path))``.
