@@ -48,6 +48,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import threading
 import warnings
 import time
@@ -91,10 +92,6 @@ def memory_tier_name(root: str) -> str:
     path = root[len("file://"):] if root.startswith("file://") else root
     tag = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:16]
     return f"cairn-{tag}"
-
-
-def _local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 class _StagingWriter(StorageWriter):
@@ -298,6 +295,10 @@ class CheckpointManager:
             self.pg = None
             self.rank, self.world = 0, 1
         self.is_coordinator = self.rank == 0
+        # The lowest rank of each node writes that node's memory-tier manifests
+        # (every node's shared memory holds its own ranks' slot files).
+        hosts = self._gather(socket.gethostname())
+        self._node_leader = self.rank == hosts.index(hosts[self.rank])
         _chaos.arm()
 
         for uri in filter(None, (self.root, self.local)):
@@ -473,7 +474,7 @@ class CheckpointManager:
         if self.is_coordinator:
             body = self._body(rec, everyone, size_key="capacity")
         body = self._agree(body)
-        if _local_rank() == 0 or self.is_coordinator:
+        if self._node_leader:
             _ext.commit_manifest(self._slot_uri(slot), body)
         rec.everyone = everyone
         rec.tiers_done.append("memory")
@@ -655,7 +656,7 @@ class CheckpointManager:
                     dist.barrier(group=self.pg)
                 except Exception:  # noqa: BLE001 - peers may be gone at shutdown
                     pass
-            if self.is_coordinator or _local_rank() == 0:
+            if self._node_leader:
                 # The memory tier ends with the manager: slot manifests and any
                 # leftovers of crashed processes go with it.
                 shutil.rmtree(self.shm_dir, ignore_errors=True)

@@ -3,9 +3,11 @@
 ``run_ranks(world, fn, *args)`` starts ``world`` processes with
 torch.multiprocessing (forkserver, torch preloaded), joins them into one process
 group through a fresh FileStore (no TCP port that a concurrent run could take),
-calls ``fn(rank, world, *args)`` in each and tears the group down. ``fn`` must
-be a module-level function (it is pickled by reference). A failure in any rank
-re-raises in the caller with that rank's traceback.
+calls ``fn(rank, world, *args)`` in each and tears the group down, and returns
+the ranks' return values (pickled through files). ``fn`` must be a module-level
+function (it is pickled by reference). A failure in any rank re-raises in the
+caller with that rank's traceback; ``expect_kill=True`` instead expects some rank
+to die by SIGKILL (a crash test) and returns None.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import pickle
+import signal
 import sys
 import tempfile
 import warnings
@@ -26,6 +30,7 @@ TIMEOUT = datetime.timedelta(seconds=120)
 def _entry(rank: int, world: int, store: str, fn, args) -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group(
         "gloo",
         init_method=f"file://{store}",
@@ -34,7 +39,9 @@ def _entry(rank: int, world: int, store: str, fn, args) -> None:
         timeout=TIMEOUT,
     )
     try:
-        fn(rank, world, *args)
+        result = fn(rank, world, *args)
+        with open(f"{store}.result{rank}", "wb") as f:
+            pickle.dump(result, f)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -52,13 +59,22 @@ multiprocessing.set_forkserver_preload(
 )
 
 
-def run_ranks(world: int, fn, *args) -> None:
-    """Runs ``fn(rank, world, *args)`` on ``world`` gloo ranks; raises on failure."""
+def run_ranks(world: int, fn, *args, expect_kill: bool = False) -> list | None:
+    """Runs ``fn(rank, world, *args)`` on ``world`` gloo ranks and returns their
+    results; raises on failure (see the module docstring for ``expect_kill``)."""
     with tempfile.TemporaryDirectory(prefix="cairn-gloo-") as d:
-        mp.start_processes(
-            _entry,
-            args=(world, os.path.join(d, "store"), fn, args),
-            nprocs=world,
-            join=True,
-            start_method="forkserver",
-        )
+        store = os.path.join(d, "store")
+        try:
+            mp.start_processes(_entry, args=(world, store, fn, args), nprocs=world,
+                               join=True, start_method="forkserver")
+        except mp.ProcessExitedException as e:
+            if expect_kill and e.exit_code == -signal.SIGKILL:
+                return None
+            raise
+        if expect_kill:
+            raise AssertionError("expected a rank to be killed, but every rank finished")
+        results = []
+        for rank in range(world):
+            with open(f"{store}.result{rank}", "rb") as f:
+                results.append(pickle.load(f))
+        return results

@@ -20,39 +20,8 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 import cairn
+from gloo_harness import run_ranks
 from cairn.errors import InvalidArgumentError, PreconditionError, TimeoutError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, fn, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results[rank] = fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(world, fn, *args):
-    """Runs fn(rank, world, *args) on `world` real gloo processes; returns the results."""
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as m:
-        results = m.dict()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        assert [p.exitcode for p in procs] == [0] * world
-        return [results.get(r) for r in range(world)]
 
 
 def make_model(seed=0):

@@ -6,51 +6,14 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import cairn
 from cairn import _ext
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, fn, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results[rank] = fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(world, fn, *args, expect_kill=False):
-    """Runs fn(rank, world, *args) on `world` real gloo processes; returns the results."""
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as m:
-        results = m.dict()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        codes = [p.exitcode for p in procs]
-        if expect_kill:
-            assert any(c == -signal.SIGKILL for c in codes), codes
-        else:
-            assert codes == [0] * world, codes
-        return [results.get(r) for r in range(world)]
+from gloo_harness import run_ranks
 
 
 def make_state(rank, seed=0):
