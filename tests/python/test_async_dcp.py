@@ -9,7 +9,6 @@ import concurrent.futures
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
@@ -17,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 import cairn
 from gloo_harness import run_ranks
