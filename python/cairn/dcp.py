@@ -64,13 +64,7 @@ from torch.futures import Future
 from cairn import _ext
 from cairn.errors import InvalidArgumentError, NotFoundError
 
-try:  # written by another part of cairn; optional until it is merged
-    from cairn._stock import StockReader, is_stock_checkpoint
-except ImportError:  # pragma: no cover - depends on the build
-    StockReader = None
-
-    def is_stock_checkpoint(path: str) -> bool:  # noqa: ARG001
-        return False
+from cairn._stock import StockReader, check_value_is_safe, is_stock_checkpoint
 
 
 __all__ = ["Writer", "Reader", "unwrap"]
@@ -492,6 +486,12 @@ class Reader(StorageReader):
         path: checkpoint directory, ``file://DIR`` or ``shm://NAME``. May be
             omitted when ``dcp.load`` is given ``checkpoint_id``.
         thread_count: I/O threads (default: 16 to 32).
+        allow_pickle: load non-tensor values that need unrestricted unpickling.
+            By default each must decode with ``torch.load(weights_only=True)``
+            (numbers, strings, containers, tensors), and any other value is
+            refused with :class:`cairn.CorruptionError`: DCP's planner would
+            otherwise unpickle it with ``weights_only=False``, so a hostile
+            checkpoint could run code. Pass True only for trusted checkpoints.
 
     Raises (from the constructor or ``reset``): :class:`cairn.NotFoundError`
     when there is no committed checkpoint at ``path``;
@@ -500,11 +500,19 @@ class Reader(StorageReader):
     """
 
     def __init__(
-        self, path: str | os.PathLike | None = None, *, thread_count: int | None = None
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        thread_count: int | None = None,
+        allow_pickle: bool = False,
     ) -> None:
         super().__init__()
         self.path: str | None = None
         self.thread_count = thread_count or _default_threads()
+        # DCP's planner unpickles non-tensor values with weights_only=False: a
+        # hostile checkpoint could run code through one. Unless the caller trusts
+        # the checkpoint, every value must first decode with weights_only=True.
+        self.allow_pickle = allow_pickle
         self.load_id = uuid.uuid4().hex
         self._pool: _ext.ThreadPool | None = None
         self._reader: _ext.CheckpointReader | None = None
@@ -535,12 +543,11 @@ class Reader(StorageReader):
         except NotFoundError:
             local = _local_path(uri)
             if (
-                StockReader is not None
-                and not _ext.has_manifest(uri)
+                not _ext.has_manifest(uri)
                 and local is not None
                 and is_stock_checkpoint(local)
             ):
-                self._stock = StockReader(local)
+                self._stock = StockReader(local, allow_pickle=self.allow_pickle)
                 return
             raise
         body = json.loads(self._reader.manifest_json())
@@ -657,7 +664,10 @@ class Reader(StorageReader):
         self._reader.read(requests, self._thread_pool())
 
         for ri, buf in byte_reads:
-            planner.load_bytes(ri, io.BytesIO(buf.tobytes()))
+            data = buf.tobytes()
+            if not self.allow_pickle:
+                check_value_is_safe(data, f"{self.path}: value '{ri.storage_index.fqn}'")
+            planner.load_bytes(ri, io.BytesIO(data))
         for ri, dest in in_place:
             planner.commit_tensor(ri, dest)
         for ri, dest, src in copies:

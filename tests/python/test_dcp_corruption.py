@@ -217,3 +217,40 @@ def test_copy_checkpoint_refuses_a_corrupt_source(ckpt, tmp_path):
     with pytest.raises(cairn.CorruptionError, match="tensor 'model.b'"):
         cairn.copy_checkpoint(ckpt, tmp_path / "copy2")
     assert not (tmp_path / "copy2" / "cairn.manifest").exists()
+
+
+class _Hostile:
+    """Unpickling this runs a command: what an attacker would hide in a value."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_hostile_non_tensor_value_is_refused_without_running(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "pwned"
+    path = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(3), "evil": _Hostile(marker)}, storage_writer=cairn.Writer(path))
+    assert not marker.exists()
+    target = {"w": torch.zeros(3), "evil": None}
+    with pytest.raises(BaseException) as info:
+        dcp.load(target, storage_reader=cairn.Reader(path))
+    err = cairn.dcp.unwrap(info.value)
+    assert isinstance(err, cairn.CorruptionError), err
+    assert "evil" in str(err) and "allow_pickle" in str(err)
+    assert not marker.exists()
+
+
+def test_plain_non_tensor_values_still_load(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "ckpt")
+    values = {"step": 7, "name": "run", "betas": (0.9, 0.999), "flag": True, "none": None}
+    dcp.save(dict(values), storage_writer=cairn.Writer(path))
+    target = {k: None for k in values}
+    dcp.load(target, storage_reader=cairn.Reader(path))
+    assert target == values
