@@ -9,23 +9,33 @@ Run from the repository root::
 It builds one reference state (a GPT-like stack of linear weights plus Adam's
 exp_avg / exp_avg_sq, ~200 CPU tensors) and, in the same run, on the same disk:
 
-* floors: memcpy bandwidth into a pre-faulted buffer, and the disk's direct-I/O
-  (O_DIRECT) write and read bandwidth on a file as large as the state;
+* floors: memcpy bandwidth into a pre-faulted buffer (as many bytes as the state),
+  and the disk's direct-I/O (O_DIRECT) write and read bandwidth on a file as large
+  as the state;
 * peers: for each of torch.save/torch.load, dcp.save/dcp.load with DCP's
   FileSystemWriter/Reader, and dcp.save/dcp.load with cairn.Writer/Reader, the
   time of a synchronous save until it is durable (fsync'd) and of a load into
   the state (cold: after ``sync; echo 3 > /proc/sys/vm/drop_caches`` when
-  permitted).
+  permitted);
+* repeated saves, one series per peer (torch.save, dcp.async_save with its default
+  stager, dcp.async_save with cairn.SharedMemoryStager, cairn.CheckpointManager):
+  the blocking stall, the time until durable and the extra memory of every save
+  (see "memory" below); the first save of each series is reported apart;
+* restore by the CheckpointManager of the step it just saved, from its memory tier
+  and (a manager with memory=False) from the durable tier, cold.
 
-Every figure is the median of ``--reps`` repetitions. It prints a table with the
+Every figure is the median of ``--reps`` repetitions. It prints tables with the
 ratios SPEC §4 judges (cairn/dcp save and load time, cairn save bandwidth /
-direct-I/O write bandwidth) and writes JSON (default bench/results/checkpoint.json).
+direct-I/O write bandwidth; the manager's stall vs dcp.async_save's and vs the
+memcpy floor, its extra memory vs the state, memory- vs disk-tier restore) and
+writes JSON (default bench/results/checkpoint.json).
 
-Layout for later rows: a floor is a function ``(ctx) -> (seconds, bytes)`` in
-FLOORS, a peer is a ``Peer`` with one function per operation in PEERS; each
-function times one repetition itself, so new operations (async-save stall,
-memory-tier restore, RSS) are new Peer fields and rows, not new loops.
-Repetitions are the outer loop (every floor and peer once per repetition).
+Layout: a floor is a function ``(ctx) -> (seconds, bytes)`` in FLOORS, a peer
+is a ``Peer`` with one (optional) function per operation in PEERS (``save``,
+``load``, ``stall``: one save of a repeated series, ``restore``); each function
+times one repetition itself, so a new operation is a new Peer field and rows,
+not a new loop. Repetitions are the outer loop (every floor and peer once per
+repetition); objects that live across a peer's saves sit in ``Context.sessions``.
 """
 
 from __future__ import annotations
