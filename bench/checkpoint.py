@@ -9,28 +9,39 @@ Run from the repository root::
 It builds one reference state (a GPT-like stack of linear weights plus Adam's
 exp_avg / exp_avg_sq, ~200 CPU tensors) and, in the same run, on the same disk:
 
-* floors: memcpy bandwidth into a pre-faulted buffer, and the disk's direct-I/O
-  (O_DIRECT) write and read bandwidth on a file as large as the state;
+* floors: memcpy bandwidth into a pre-faulted buffer (as many bytes as the state),
+  and the disk's direct-I/O (O_DIRECT) write and read bandwidth on a file as large
+  as the state;
 * peers: for each of torch.save/torch.load, dcp.save/dcp.load with DCP's
   FileSystemWriter/Reader, and dcp.save/dcp.load with cairn.Writer/Reader, the
   time of a synchronous save until it is durable (fsync'd) and of a load into
   the state (cold: after ``sync; echo 3 > /proc/sys/vm/drop_caches`` when
-  permitted).
+  permitted);
+* repeated saves, one series per peer (torch.save, dcp.async_save with its default
+  stager, dcp.async_save with cairn.SharedMemoryStager, cairn.CheckpointManager):
+  the blocking stall, the time until durable and the extra memory of every save
+  (see "memory" below); the first save of each series is reported apart;
+* restore by the CheckpointManager of the step it just saved, from its memory tier
+  and (a manager with memory=False) from the durable tier, cold.
 
-Every figure is the median of ``--reps`` repetitions. It prints a table with the
+Every figure is the median of ``--reps`` repetitions. It prints tables with the
 ratios SPEC §4 judges (cairn/dcp save and load time, cairn save bandwidth /
-direct-I/O write bandwidth) and writes JSON (default bench/results/checkpoint.json).
+direct-I/O write bandwidth; the manager's stall vs dcp.async_save's and vs the
+memcpy floor, its extra memory vs the state, memory- vs disk-tier restore) and
+writes JSON (default bench/results/checkpoint.json).
 
-Layout for later rows: a floor is a function ``(ctx) -> (seconds, bytes)`` in
-FLOORS, a peer is a ``Peer`` with one function per operation in PEERS; each
-function times one repetition itself, so new operations (async-save stall,
-memory-tier restore, RSS) are new Peer fields and rows, not new loops.
-Repetitions are the outer loop (every floor and peer once per repetition).
+Layout: a floor is a function ``(ctx) -> (seconds, bytes)`` in FLOORS, a peer
+is a ``Peer`` with one (optional) function per operation in PEERS (``save``,
+``load``, ``stall``: one save of a repeated series, ``restore``); each function
+times one repetition itself, so a new operation is a new Peer field and rows,
+not a new loop. Repetitions are the outer loop (every floor and peer once per
+repetition); objects that live across a peer's saves sit in ``Context.sessions``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import math
@@ -41,6 +52,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -134,6 +146,11 @@ class Context:
     drop_caches: bool
     dropped: bool = False  # whether a cache drop actually succeeded
     counter: int = 0
+    # Objects that live across the repeated saves of one peer (a manager, a stager),
+    # their process-memory baselines, and how to close them at the end (in order).
+    sessions: dict = dataclasses.field(default_factory=dict)
+    baselines: dict = dataclasses.field(default_factory=dict)
+    closers: list = dataclasses.field(default_factory=list)
 
     def fresh_path(self, name: str) -> Path:
         self.counter += 1
@@ -191,6 +208,83 @@ class Sample:
         }
 
 
+# --------------------------------------------------------------------------- memory
+#
+# Extra memory of a save = peak over the save (call to durable) of
+#     RssAnon(this process) + bytes allocated to the peer's own /dev/shm files
+# minus RssAnon at the start of the peer's series of saves (after malloc_trim).
+# RssAnon is the process's private memory (a stager's fresh CPU copy lands there);
+# shared-memory staging lands in tmpfs files, which count in the process's RSS
+# (RssShmem) only for pages it touched and whose pages outlive it, so they are
+# counted by their allocated size (st_blocks) instead; RssShmem and RssFile (page
+# cache of mapped files) are left out so nothing counts twice. A thread samples
+# every 5 ms; malloc_trim(0) before every save returns freed heap pages, so memory
+# an earlier save freed is not mistaken for (or hidden from) the next one.
+
+try:
+    _LIBC = ctypes.CDLL(None)
+    _MALLOC_TRIM = _LIBC.malloc_trim
+except (OSError, AttributeError):  # not glibc
+    _MALLOC_TRIM = None
+
+
+def trim() -> None:
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def shm_bytes(dirs: list[str]) -> int:
+    """Bytes allocated to the files under `dirs` (tmpfs pages, touched or not)."""
+    total = 0
+    for top in dirs:
+        for base, _, files in os.walk(top):
+            for name in files:
+                try:
+                    total += os.stat(os.path.join(base, name)).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+    return total
+
+
+class MemSampler:
+    """Peak of rss_anon() + shm_bytes(dirs()) while the `with` block runs, sampled
+    every `period` seconds by a daemon thread (and once at entry and exit)."""
+
+    def __init__(self, dirs: Callable[[], list[str]], period: float = 0.005):
+        self.dirs = dirs
+        self.period = period
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, rss_anon() + shm_bytes(self.dirs()))
+        self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample()
+
+    def __enter__(self) -> "MemSampler":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
 # --------------------------------------------------------------------------- floors
 
 
@@ -206,13 +300,17 @@ DIRECT_CHUNK = 16 << 20
 
 
 def floor_memcpy(ctx: Context) -> tuple[float, int]:
-    """One copy of min(state, 1 GiB) bytes into a pre-faulted buffer."""
-    n = min(ctx.nbytes, 1 << 30)
-    src = torch.empty(n, dtype=torch.uint8).random_()
+    """One copy of as many bytes as the whole state into a pre-faulted buffer (the
+    floor of the async-save stall: staging can be no cheaper than this copy)."""
+    n = ctx.nbytes
+    src = torch.empty(n, dtype=torch.uint8).fill_(7)  # pre-faulted
     dst = torch.empty(n, dtype=torch.uint8).fill_(0)  # pre-faulted
     t0 = time.perf_counter()
     dst.copy_(src)
-    return time.perf_counter() - t0, n
+    seconds = time.perf_counter() - t0
+    del src, dst
+    trim()
+    return seconds, n
 
 
 def _direct_file(ctx: Context) -> tuple[Path, int]:
@@ -338,20 +436,151 @@ def stock_cairn_load(ctx: Context, path: Path) -> tuple[float, dict]:
     return time.perf_counter() - t0, dest
 
 
+# Async saves. A stall function makes one save of a series (round 0 is the first,
+# which pays one-time costs: page faults of fresh staging buffers, pool set-up) and
+# returns {"stall_s": time until the call returns (the training thread is blocked),
+# "durable_s": call to durable, "extra_bytes": peak extra memory (see above)}.
+# The next save starts only once the previous one is durable.
+
+
+def timed_save(ctx: Context, key: str, dirs: Callable[[], list[str]],
+               save: Callable[[], object], wait: Callable[[object], None]) -> dict:
+    trim()
+    base = ctx.baselines.setdefault(key, rss_anon())
+    os.sync()
+    with MemSampler(dirs) as mem:
+        t0 = time.perf_counter()
+        handle = save()
+        t1 = time.perf_counter()
+        wait(handle)
+        t2 = time.perf_counter()
+    return {"stall_s": t1 - t0, "durable_s": t2 - t0, "extra_bytes": mem.peak - base,
+            "samples": mem.samples}
+
+
+def torch_stall(ctx: Context, rnd: int) -> dict:
+    """torch.save blocks for its whole time (serialize + write + fsync)."""
+    holder = {}
+
+    def save():
+        holder["seconds"], holder["path"] = torch_save(ctx)
+
+    out = timed_save(ctx, "torch.save", list, save, lambda _: None)
+    remove(holder["path"])
+    # torch_save's own clock starts after its os.sync(), like every other peer's.
+    out["stall_s"] = out["durable_s"] = holder["seconds"]
+    return out
+
+
+def dcp_async_stall(ctx: Context, rnd: int) -> dict:
+    """dcp.async_save with FileSystemWriter, which is also its stager (DCP's default
+    for this writer: a fresh CPU copy of the state per save); durable when the
+    returned future is done."""
+    path = ctx.fresh_path("dcp-async")
+    out = timed_save(
+        ctx, "dcp.async_save", list,
+        lambda: dcp.async_save(ctx.state, storage_writer=dcp.FileSystemWriter(str(path))),
+        lambda fut: fut.result(),
+    )
+    remove(path)
+    return out
+
+
+def dcp_async_shm_stall(ctx: Context, rnd: int) -> dict:
+    """dcp.async_save staged by cairn.SharedMemoryStager (one reused shared-memory
+    slot: each save is waited for before the next) and written by cairn.Writer."""
+    stager = ctx.sessions.get("shm-stager")
+    if stager is None:
+        stager = ctx.sessions["shm-stager"] = cairn.SharedMemoryStager(slots=1)
+        ctx.closers.append(stager.close)
+    path = ctx.fresh_path("dcp-async-shm")
+
+    def save():
+        fut = dcp.async_save(ctx.state, storage_writer=cairn.Writer(str(path)),
+                             async_stager=stager)
+        stager.track(fut)
+        return fut
+
+    out = timed_save(ctx, "dcp.async_save+shm", lambda: [stager.shm_dir], save,
+                     lambda fut: fut.result())
+    remove(path)
+    return out
+
+
+def _manager(ctx: Context) -> "cairn.CheckpointManager":
+    mgr = ctx.sessions.get("manager")
+    if mgr is None:
+        mgr = ctx.sessions["manager"] = cairn.CheckpointManager(
+            ctx.scratch / "manager", memory=True, keep=1)
+        ctx.closers.append(mgr.close)
+    return mgr
+
+
+def manager_stall(ctx: Context, rnd: int) -> dict:
+    """CheckpointManager.save() (returns once staged into its shared-memory slot, the
+    memory tier) then wait() (memory tier committed and durable tier fsync'd)."""
+    mgr = _manager(ctx)
+    return timed_save(ctx, "cairn.manager", lambda: [mgr.shm_dir],
+                      lambda: mgr.save(rnd, ctx.state), lambda _: mgr.wait())
+
+
+def manager_restore(ctx: Context, rnd: int, check: bool) -> dict[str, float]:
+    """restore() of the step just saved: by the saving manager, from its memory tier;
+    by a manager with memory=False, from the durable tier, cold."""
+    mgr = _manager(ctx)
+    dest = like(ctx.state)
+    trim()
+    t0 = time.perf_counter()
+    step = mgr.restore(dest)
+    memory_s = time.perf_counter() - t0
+    if step != rnd or mgr.restored != (rnd, "memory"):
+        raise RuntimeError(f"manager restored {mgr.restored}, expected ({rnd}, 'memory')")
+    if check and not same(dest, ctx.state):
+        raise RuntimeError("manager: the state restored from memory differs from the saved one")
+    del dest
+    disk = ctx.sessions.get("manager-disk")
+    if disk is None:
+        # Closed after the saving manager (closing removes the run's shm directory).
+        disk = ctx.sessions["manager-disk"] = cairn.CheckpointManager(
+            ctx.scratch / "manager", memory=False, keep=1)
+        ctx.closers.append(disk.close)
+    dest = like(ctx.state)
+    trim()
+    ctx.cold()
+    t0 = time.perf_counter()
+    step = disk.restore(dest)
+    disk_s = time.perf_counter() - t0
+    if step != rnd or disk.restored != (rnd, "durable"):
+        raise RuntimeError(f"manager restored {disk.restored}, expected ({rnd}, 'durable')")
+    if check and not same(dest, ctx.state):
+        raise RuntimeError("manager: the state restored from disk differs from the saved one")
+    del dest
+    trim()
+    return {"restore memory": memory_s, "restore disk (cold)": disk_s}
+
+
 @dataclasses.dataclass
 class Peer:
-    save: Callable[[Context], tuple[float, Path]]
-    load: Callable[[Context, Path], tuple[float, dict]]
+    """The operations one peer takes part in (None: not measured for it)."""
+
+    save: Callable[[Context], tuple[float, Path]] | None = None  # durable sync save
+    load: Callable[[Context, Path], tuple[float, dict]] | None = None  # cold load
+    stall: Callable[[Context, int], dict] | None = None  # one save of a repeated series
+    restore: Callable[[Context, int, bool], dict[str, float]] | None = None  # after stall
 
 
 PEERS: dict[str, Peer] = {
-    "torch.save": Peer(torch_save, torch_load),
+    "torch.save": Peer(torch_save, torch_load, stall=torch_stall),
     "dcp": Peer(dcp_save, dcp_load),
     "cairn": Peer(cairn_save, cairn_load),
+    "dcp.async_save": Peer(stall=dcp_async_stall),
+    "dcp.async_save+shm": Peer(stall=dcp_async_shm_stall),
+    "cairn.manager": Peer(stall=manager_stall, restore=manager_restore),
     # Not run by default (--peers ...,stock->cairn): loading stock checkpoints.
     "stock->cairn": Peer(dcp_save, stock_cairn_load),
 }
-DEFAULT_PEERS = ["torch.save", "dcp", "cairn"]
+DEFAULT_PEERS = ["torch.save", "dcp", "cairn", "dcp.async_save", "dcp.async_save+shm",
+                 "cairn.manager"]
 
 
 def run_peer_once(ctx: Context, name: str, peer: Peer, check: bool) -> tuple[float, float]:
@@ -362,14 +591,26 @@ def run_peer_once(ctx: Context, name: str, peer: Peer, check: bool) -> tuple[flo
         raise RuntimeError(f"{name}: the state loaded from {path} differs from the saved one")
     del loaded
     remove(path)
+    trim()
     return save_s, load_s
 
 
 def run_all(ctx: Context, peer_names: list[str]):
     """Repetitions are the outer loop, so a burst of background load on a shared
-    machine hits every floor and peer alike rather than one peer's reps."""
+    machine hits every floor and peer alike rather than one peer's reps. Async
+    peers save once more before the first repetition (their first save, reported
+    apart), so every repetition times a 2nd-or-later save."""
     floors: dict[str, Sample] = {}
     peers: dict[str, dict[str, Sample]] = {}
+    series: dict[str, dict] = {}  # async peers: first save, per-save extra memory
+    stallers = [n for n in peer_names if PEERS[n].stall is not None]
+    if stallers:
+        print("first saves:", end="", flush=True)
+        for name in stallers:
+            r = PEERS[name].stall(ctx, 0)
+            series[name] = {"first": r, "extra_bytes": [r["extra_bytes"]]}
+            print(f" | {name} stall {r['stall_s']:.2f}s", end="", flush=True)
+        print(flush=True)
     for rep in range(ctx.reps):
         print(f"rep {rep + 1}/{ctx.reps}:", end="", flush=True)
         for name, fn in FLOORS.items():
@@ -377,15 +618,26 @@ def run_all(ctx: Context, peer_names: list[str]):
             floors.setdefault(name, Sample([], n)).seconds.append(seconds)
             print(f" {name} {seconds:.2f}s", end="", flush=True)
         for name in peer_names:
-            save_s, load_s = run_peer_once(ctx, name, PEERS[name], check=rep == 0)
-            ops = peers.setdefault(
-                name, {"save": Sample([], ctx.nbytes), "load": Sample([], ctx.nbytes)}
-            )
-            ops["save"].seconds.append(save_s)
-            ops["load"].seconds.append(load_s)
-            print(f" | {name} save {save_s:.2f}s load {load_s:.2f}s", end="", flush=True)
+            peer = PEERS[name]
+            ops = peers.setdefault(name, {})
+            if peer.save is not None:
+                save_s, load_s = run_peer_once(ctx, name, peer, check=rep == 0)
+                ops.setdefault("save", Sample([], ctx.nbytes)).seconds.append(save_s)
+                ops.setdefault("load", Sample([], ctx.nbytes)).seconds.append(load_s)
+                print(f" | {name} save {save_s:.2f}s load {load_s:.2f}s", end="", flush=True)
+        for name in stallers:
+            peer, ops = PEERS[name], peers[name]
+            r = peer.stall(ctx, rep + 1)
+            ops.setdefault("stall", Sample([], ctx.nbytes)).seconds.append(r["stall_s"])
+            ops.setdefault("durable", Sample([], ctx.nbytes)).seconds.append(r["durable_s"])
+            series[name]["extra_bytes"].append(r["extra_bytes"])
+            print(f" | {name} stall {r['stall_s']:.2f}s", end="", flush=True)
+            if peer.restore is not None:
+                for op, seconds in peer.restore(ctx, rep + 1, rep == 0).items():
+                    ops.setdefault(op, Sample([], ctx.nbytes)).seconds.append(seconds)
+                    print(f" {op} {seconds:.2f}s", end="", flush=True)
         print(flush=True)
-    return floors, peers
+    return floors, peers, series
 
 
 # --------------------------------------------------------------------------- report
@@ -403,9 +655,10 @@ def fs_type(path: Path) -> str:
     return kind
 
 
-def ratios(floors: dict[str, Sample], peers: dict[str, dict[str, Sample]]) -> dict:
+def ratios(floors: dict[str, Sample], peers: dict[str, dict[str, Sample]],
+           series: dict | None = None, nbytes: int = 1) -> dict:
     out = {}
-    if "cairn" in peers and "dcp" in peers:
+    if "save" in peers.get("cairn", {}) and "save" in peers.get("dcp", {}):
         out["cairn_save_time / dcp_save_time"] = {
             "value": peers["cairn"]["save"].median / peers["dcp"]["save"].median,
             "target": "<= 0.5",
@@ -416,12 +669,40 @@ def ratios(floors: dict[str, Sample], peers: dict[str, dict[str, Sample]]) -> di
             "target": "<= 0.5",
             "met": peers["cairn"]["load"].median <= 0.5 * peers["dcp"]["load"].median,
         }
-    if "cairn" in peers and "direct-I/O write" in floors:
+    if "save" in peers.get("cairn", {}) and "direct-I/O write" in floors:
         v = peers["cairn"]["save"].gbps / floors["direct-I/O write"].gbps
         out["cairn_save_bw / direct_write_bw"] = {"value": v, "target": ">= 0.8", "met": v >= 0.8}
-    if "cairn" in peers and "direct-I/O read" in floors:
+    if "save" in peers.get("cairn", {}) and "direct-I/O read" in floors:
         v = peers["cairn"]["load"].gbps / floors["direct-I/O read"].gbps
         out["cairn_load_bw / direct_read_bw"] = {"value": v, "target": "(info)", "met": None}
+    mgr = peers.get("cairn.manager", {})
+    ref = peers.get("dcp.async_save", {})
+    if "stall" in mgr and "stall" in ref:
+        v = mgr["stall"].median / ref["stall"].median
+        out["manager_stall / dcp_async_save_stall"] = {"value": v, "target": "<= 0.5",
+                                                       "met": v <= 0.5}
+        v = mgr["durable"].median / ref["durable"].median
+        out["manager_durable / dcp_async_save_durable"] = {"value": v, "target": "(info)",
+                                                           "met": None}
+    if "stall" in mgr and "memcpy" in floors:
+        v = mgr["stall"].median / floors["memcpy"].median
+        out["manager_stall / memcpy_floor"] = {"value": v, "target": "<= 1.25", "met": v <= 1.25}
+    shm = peers.get("dcp.async_save+shm", {})
+    if "stall" in shm and "stall" in ref:
+        v = shm["stall"].median / ref["stall"].median
+        out["shm_stager_stall / dcp_async_save_stall"] = {"value": v, "target": "(info)",
+                                                          "met": None}
+    if series and "cairn.manager" in series:
+        per_save = series["cairn.manager"]["extra_bytes"]
+        v = max(per_save) / nbytes
+        out["manager_peak_extra_mem / state"] = {"value": v, "target": "<= 1.1", "met": v <= 1.1}
+        v = (max(per_save) - min(per_save)) / nbytes
+        out["manager_extra_mem_spread_over_saves / state"] = {
+            "value": v, "target": "<= 0.05 (flat)", "met": v <= 0.05}
+    if "restore memory" in mgr:
+        v = mgr["restore disk (cold)"].median / mgr["restore memory"].median
+        out["manager_restore_disk / restore_memory"] = {"value": v, "target": ">= 5",
+                                                        "met": v >= 5}
     if "stock->cairn" in peers and "dcp" in peers:
         v = peers["stock->cairn"]["load"].median / peers["dcp"]["load"].median
         out["stock_ckpt_cairn_load_time / dcp_load_time"] = {
@@ -432,7 +713,7 @@ def ratios(floors: dict[str, Sample], peers: dict[str, dict[str, Sample]]) -> di
     return out
 
 
-def print_report(ctx: Context, meta: dict, floors, peers, rat) -> None:
+def print_report(ctx: Context, meta: dict, floors, peers, series, rat) -> None:
     print()
     print(
         f"state {ctx.nbytes / GB:.2f} GB in {ctx.ntensors} tensors; scratch "
@@ -447,9 +728,32 @@ def print_report(ctx: Context, meta: dict, floors, peers, rat) -> None:
     print()
     print(f"{'peer':<12}{'save s':>9}{'GB/s':>8}{'load s':>9}{'GB/s':>8}")
     for name, ops in peers.items():
+        if "save" not in ops:
+            continue
         sv, ld = ops["save"], ops["load"]
         print(f"{name:<12}{sv.median:>9.3f}{sv.gbps:>8.2f}{ld.median:>9.3f}{ld.gbps:>8.2f}")
     print()
+    if series:
+        print("repeated saves (medians of saves 2..; the first save apart); extra memory "
+              "in GB and x state, per save, first save first")
+        print(f"{'peer':<20}{'stall s':>9}{'durable s':>11}{'1st stall':>11}"
+              f"{'1st durable':>13}  extra memory per save")
+        for name, ser in series.items():
+            ops, first = peers[name], ser["first"]
+            per = " ".join(f"{b / GB:.2f}" for b in ser["extra_bytes"])
+            peak = max(ser["extra_bytes"]) / ctx.nbytes
+            print(f"{name:<20}{ops['stall'].median:>9.3f}{ops['durable'].median:>11.3f}"
+                  f"{first['stall_s']:>11.3f}{first['durable_s']:>13.3f}  {per} "
+                  f"(peak {peak:.2f}x)")
+        print()
+        for name, ops in peers.items():
+            for op in ("restore memory", "restore disk (cold)"):
+                if op in ops:
+                    print(f"{name} {op:<22}{ops[op].median:>9.3f} s{ops[op].gbps:>8.2f} GB/s")
+        for name, label in (("dcp", "dcp.load (cold)"), ("cairn", "cairn.Reader (cold)")):
+            if "load" in peers.get(name, {}):
+                print(f"reference {label:<24}{peers[name]['load'].median:>9.3f} s")
+        print()
     for name, r in rat.items():
         met = "" if r["met"] is None else ("  met" if r["met"] else "  NOT met")
         print(f"{name:<44}{r['value']:>7.2f}   target {r['target']}{met}")
@@ -519,19 +823,32 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"state: {ctx.nbytes / GB:.2f} GB in {ctx.ntensors} tensors; scratch {scratch}")
     try:
-        floors, peers = run_all(ctx, args.peers.split(","))
+        floors, peers, series = run_all(ctx, args.peers.split(","))
     finally:
+        for close in ctx.closers:
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - report, keep cleaning up
+                print(f"closing: {e}", file=sys.stderr)
         shutil.rmtree(scratch, ignore_errors=True)
 
-    rat = ratios(floors, peers)
+    rat = ratios(floors, peers, series, ctx.nbytes)
     meta["cold_reads"] = ctx.dropped
     meta["loadavg_after"] = os.getloadavg()
     meta["wall_s"] = time.perf_counter() - t_start
-    print_report(ctx, meta, floors, peers, rat)
+    print_report(ctx, meta, floors, peers, series, rat)
     result = {
         "meta": meta,
         "floors": {k: v.as_json() for k, v in floors.items()},
         "peers": {p: {op: s.as_json() for op, s in ops.items()} for p, ops in peers.items()},
+        "series": {
+            p: {"first": ser["first"], "extra_bytes_per_save": ser["extra_bytes"],
+                "extra_over_state_per_save": [b / ctx.nbytes for b in ser["extra_bytes"]],
+                "memory_method": "peak(RssAnon + allocated bytes of the peer's /dev/shm "
+                "files) during save..durable, 5 ms sampling, minus RssAnon before the "
+                "peer's first save (malloc_trim before each)"}
+            for p, ser in series.items()
+        },
         "ratios": rat,
     }
     out = Path(args.json)

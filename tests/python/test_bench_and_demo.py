@@ -44,12 +44,31 @@ def test_checkpoint_benchmark_runs_and_writes_json(tmp_path):
     result = json.loads(out.read_text())
     assert result["meta"]["state_tensors"] >= 198
     assert set(result["floors"]) == {"memcpy", "direct-I/O write", "direct-I/O read"}
-    assert set(result["peers"]) == {"torch.save", "dcp", "cairn"}
-    for ops in result["peers"].values():
+    peers = result["peers"]
+    assert set(peers) == {"torch.save", "dcp", "cairn", "dcp.async_save", "dcp.async_save+shm",
+                          "cairn.manager"}
+    for name in ("torch.save", "dcp", "cairn"):
         for op in ("save", "load"):
-            assert ops[op]["median_s"] > 0 and math.isfinite(ops[op]["GBps"])
-    assert "cairn_save_time / dcp_save_time" in result["ratios"]
-    assert "cairn_save_bw / direct_write_bw" in result["ratios"]
+            assert peers[name][op]["median_s"] > 0 and math.isfinite(peers[name][op]["GBps"])
+    # Async saves: stall and time until durable of the 2nd and later saves, the first
+    # save apart, extra memory of every save (first included); restore from both tiers.
+    assert set(result["series"]) == {"torch.save", "dcp.async_save", "dcp.async_save+shm",
+                                     "cairn.manager"}
+    for name, ser in result["series"].items():
+        stall, durable = peers[name]["stall"], peers[name]["durable"]
+        assert len(stall["seconds"]) == 1 and 0 < stall["median_s"] <= durable["median_s"]
+        assert 0 < ser["first"]["stall_s"] <= ser["first"]["durable_s"]
+        assert len(ser["extra_bytes_per_save"]) == 2
+    # The staged copy is in shared memory, so the manager's footprint is at least the state.
+    state_bytes = result["meta"]["state_bytes"]
+    assert min(result["series"]["cairn.manager"]["extra_bytes_per_save"]) >= state_bytes
+    for op in ("restore memory", "restore disk (cold)"):
+        assert peers["cairn.manager"][op]["median_s"] > 0
+    for name in ("cairn_save_time / dcp_save_time", "cairn_save_bw / direct_write_bw",
+                 "manager_stall / dcp_async_save_stall", "manager_stall / memcpy_floor",
+                 "manager_peak_extra_mem / state", "manager_extra_mem_spread_over_saves / state",
+                 "manager_restore_disk / restore_memory"):
+        assert math.isfinite(result["ratios"][name]["value"]), name
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.json"]  # scratch removed
 
 
