@@ -66,6 +66,7 @@
 #include <thread>
 
 #include "cairn/cache.h"
+#include "storage/posix/posix_storage.h"
 
 namespace cairn {
 namespace {
@@ -99,20 +100,6 @@ static_assert(sizeof(Header) == 128, "table header layout");
 static_assert(sizeof(Slot) == 24, "table slot layout");
 
 using Clock = std::chrono::steady_clock;
-
-Status MkdirAll(const std::string& path) {
-  std::string cur;
-  size_t pos = 0;
-  while (pos != std::string::npos) {
-    pos = path.find('/', pos + 1);
-    cur = path.substr(0, pos);
-    if (cur.empty()) continue;
-    if (::mkdir(cur.c_str(), 0755) != 0 && errno != EEXIST) {
-      return ErrnoToStatus(errno, "mkdir " + cur);
-    }
-  }
-  return Status::OK();
-}
 
 int FlockNoIntr(int fd, int op) {
   int rc;
@@ -270,7 +257,7 @@ Status FileCache::Init() {
   std::string dir = opts_.cache_dir;
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   root_ = dir + "/" + Hex(fp);
-  CAIRN_RETURN_IF_ERROR(MkdirAll(root_ + "/files"));
+  CAIRN_RETURN_IF_ERROR(internal::MkdirAll(root_ + "/files"));
 
   Table& t = *table_;
   std::string lock_path = root_ + "/lock";
@@ -603,7 +590,7 @@ Status FileCache::Fetch(int64_t id, bool demand, bool* admitted) {
           tmp_path = final_path + std::string(kTmpMarker) + std::to_string(pid) + "-" +
                      std::to_string(nonce);
           size_t slash = final_path.rfind('/');
-          CAIRN_RETURN_IF_ERROR(MkdirAll(final_path.substr(0, slash)));
+          CAIRN_RETURN_IF_ERROR(internal::MkdirAll(final_path.substr(0, slash)));
           tmp_fd = ::open(tmp_path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
           if (tmp_fd < 0) return ErrnoToStatus(errno, "create " + tmp_path);
           if (FlockNoIntr(tmp_fd, LOCK_EX | LOCK_NB) != 0) {
