@@ -1,9 +1,10 @@
-// The `cairn` command line tool: inspect, verify and copy checkpoints.
+// The `cairn` command line tool: inspect, verify, copy and prune checkpoints.
 //
 //   cairn ls ROOT           checkpoints below ROOT: step, size, complete/partial
 //   cairn inspect PATH      tensors, dtypes, shapes, bytes, files of one checkpoint
 //   cairn verify PATH       checks every byte; exit 1 naming the culprit if corrupt
 //   cairn cp SRC DST        copies a committed checkpoint (dirs or shm:// URIs)
+//   cairn prune ROOT -k K   keeps the newest K committed step_<N> checkpoints
 //
 // PATH/ROOT are directories, file://DIR or shm://NAME. Exit codes: 0 ok,
 // 1 corruption or failure, 2 usage or not found.
@@ -183,10 +184,27 @@ int CmdCp(const std::string& src, const std::string& dst, size_t threads, bool v
   return 0;
 }
 
+int CmdPrune(const std::string& root, uint64_t keep, bool partials, bool dry_run) {
+  auto storage = cairn::OpenStorage(root, /*create=*/false);
+  if (!storage.ok()) return Fail(storage.status());
+  cairn::PruneOptions opts;
+  opts.keep = keep;
+  opts.remove_newer_partials = partials;
+  opts.dry_run = dry_run;
+  std::vector<std::string> removed;
+  Status s = cairn::Prune(storage->get(), "", opts, &removed);
+  for (const auto& name : removed) {
+    std::printf("%s %s\n", dry_run ? "would remove" : "removed", name.c_str());
+  }
+  if (!s.ok()) return Fail(s);
+  if (removed.empty()) std::printf("nothing to remove\n");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"cairn: inspect, verify and copy cairn checkpoints"};
+  CLI::App app{"cairn: inspect, verify, copy and prune cairn checkpoints"};
   app.require_subcommand(1);
   size_t threads = DefaultThreads();
   app.add_option("-j,--threads", threads, "I/O threads")->check(CLI::Range(1, 256));
@@ -204,6 +222,16 @@ int main(int argc, char** argv) {
   cp->add_option("SRC", src, "source checkpoint")->required();
   cp->add_option("DST", dst, "destination directory or URI")->required();
   cp->add_flag("--verify", verify_dst, "re-read and verify the destination before committing");
+  uint64_t keep = 1;
+  bool partials = false, dry_run = false;
+  auto* prune = app.add_subcommand("prune", "keep the newest K committed step_<N> checkpoints");
+  prune->add_option("ROOT", root, "directory, file://DIR or shm://NAME")->required();
+  prune->add_option("-k,--keep", keep, "committed checkpoints to keep")
+      ->required()
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 40));
+  prune->add_flag("--partial", partials,
+                  "also remove partial checkpoints newer than the newest committed one");
+  prune->add_flag("-n,--dry-run", dry_run, "only list what would be removed");
 
   try {
     app.parse(argc, argv);
@@ -214,5 +242,6 @@ int main(int argc, char** argv) {
   if (*inspect) return CmdInspect(path, as_json);
   if (*verify) return CmdVerify(path, threads);
   if (*cp) return CmdCp(src, dst, threads, verify_dst);
+  if (*prune) return CmdPrune(root, keep, partials, dry_run);
   return 2;
 }

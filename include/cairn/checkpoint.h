@@ -205,6 +205,33 @@ Result<std::vector<CheckpointInfo>> ListCheckpoints(Storage* storage, std::strin
 // creation time, then by name. NotFound if `root` does not exist.
 Result<std::optional<std::string>> LatestValid(Storage* storage, std::string_view root);
 
+// ---- Retention -------------------------------------------------------------
+
+struct PruneOptions {
+  // Committed step_<N> checkpoints to keep (>= 1): the newest `keep` by step.
+  uint64_t keep = 1;
+  // Also remove partial step_<N> directories newer than the newest committed
+  // one. Off by default: such a directory may be a save still in flight. A
+  // partial directory older than the newest committed checkpoint is always a
+  // leftover of a crashed save and is removed.
+  bool remove_newer_partials = false;
+  // Only report what would be removed.
+  bool dry_run = false;
+  // Called after a checkpoint's manifest is removed and before its data is
+  // (tests use it to kill the process between the two steps).
+  std::function<void(const std::string& name)> after_uncommit;
+};
+
+// Applies retention to the step_<N> checkpoints directly below `root`: keeps
+// the newest `opts.keep` committed ones and removes the older ones and the
+// partial leftovers (see PruneOptions). A checkpoint is removed manifest
+// first, so a crash mid-way leaves a partial directory, never a committed one
+// with missing data. The newest committed checkpoint is never removed.
+// Directories not named step_<N> are left alone. On success stores the names
+// removed (or that would be, with dry_run) in *removed, oldest first.
+Status Prune(Storage* storage, std::string_view root, const PruneOptions& opts,
+             std::vector<std::string>* removed);
+
 // ---- Copying -------------------------------------------------------------
 
 struct CopyOptions {

@@ -535,22 +535,13 @@ class CheckpointManager:
     def _prune(self, tier: str, keep: int) -> None:
         """Keeps the newest `keep` committed checkpoints of `tier`; removes older ones
         (manifest first, so a crash mid-delete leaves a partial, never a broken valid
-        one) and the partial leftovers of crashed saves."""
-        entries = _ext.list_checkpoints(tier)
-        committed = sorted((e for e in entries if e["committed"] and e["step"] is not None),
-                           key=lambda e: e["step"])
-        doomed = [e["name"] for e in committed[:-keep]] if len(committed) > keep else []
-        doomed += [e["name"] for e in entries if not e["committed"] and e["step"] is not None]
-        if not doomed:
-            return
-        st = _ext.open_storage(tier, create=False)
-        for name in doomed:
-            try:
-                _ext.uncommit(_join(tier, name))
-                _chaos.point("prune")  # uncommitted, data still there
-                st.delete_dir(name)
-            except Error as e:
-                log.warning("cairn: pruning %s/%s: %s", tier, name, e)
+        one) and every partial leftover of a crashed save (the only save in flight is
+        the one just committed). A failure here loses nothing: it is logged."""
+        try:
+            _ext.prune_checkpoints(tier, keep, remove_newer_partials=True,
+                                   after_uncommit=lambda name: _chaos.point("prune"))
+        except Error as e:
+            log.warning("cairn: pruning %s: %s", tier, e)
 
     def _unpin(self, slot_index: int) -> None:
         old = self._registered.pop(slot_index, None)

@@ -5,6 +5,7 @@
 // the memory alive for the duration of the call; nothing is copied or
 // pickled, and libtorch is not linked. The GIL is released around every call
 // that does I/O.
+#include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -252,6 +253,39 @@ void RegisterCheckpoint(nb::module_& m) {
         return out;
       },
       nb::arg("root"), "Every directory below `root`, oldest first, as dicts.");
+
+  m.def(
+      "prune_checkpoints",
+      [](const std::string& uri, uint64_t keep, bool remove_newer_partials, bool dry_run,
+         std::function<void(const std::string&)> after_uncommit) {
+        std::vector<std::string> removed;
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          auto storage = OpenStorage(uri, /*create=*/false);
+          if (!storage.ok()) {
+            s = storage.status();
+          } else {
+            PruneOptions opts;
+            opts.keep = keep;
+            opts.remove_newer_partials = remove_newer_partials;
+            opts.dry_run = dry_run;
+            if (after_uncommit) {
+              opts.after_uncommit = [&](const std::string& name) {
+                nb::gil_scoped_acquire acquire;
+                after_uncommit(name);
+              };
+            }
+            s = Prune(storage->get(), "", opts, &removed);
+          }
+        }
+        ThrowIfError(s);
+        return removed;
+      },
+      nb::arg("root"), nb::arg("keep"), nb::arg("remove_newer_partials") = false,
+      nb::arg("dry_run") = false, nb::arg("after_uncommit") = nb::none(),
+      "Keeps the newest `keep` committed step_<N> checkpoints below `root`; returns the\n"
+      "names removed (manifest first, then data; partial leftovers too).");
 
   m.def(
       "copy_checkpoint",

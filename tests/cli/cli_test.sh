@@ -48,4 +48,18 @@ set +e
 rc=$?
 set -e
 [ $rc -eq 2 ] || fail "verify of a missing checkpoint exited $rc"
+# prune: keep the newest committed step; the partial leftover older than it goes.
+mkdir -p "$dir/pr"
+"$example" "$dir/pr" >/dev/null                      # pr/step_1234
+"$cairn" cp "$dir/pr/step_1234" "$dir/pr/step_2000" >/dev/null 2>&1 || fail "cp for prune"
+mkdir -p "$dir/pr/step_1500/data"                    # a crashed save's leftover
+out=$("$cairn" prune --dry-run -k 1 "$dir/pr")
+echo "$out" | grep -q "would remove step_1234" || fail "prune --dry-run: $out"
+[ -e "$dir/pr/step_1234/cairn.manifest" ] || fail "prune --dry-run removed something"
+out=$("$cairn" prune -k 1 "$dir/pr")
+echo "$out" | grep -q "removed step_1234" && echo "$out" | grep -q "removed step_1500" ||
+  fail "prune: $out"
+[ "$(ls "$dir/pr")" = "step_2000" ] || fail "prune left: $(ls "$dir/pr")"
+"$cairn" verify "$dir/pr/step_2000" >/dev/null 2>&1 || fail "prune damaged the newest"
+
 echo "cli ok"

@@ -491,3 +491,79 @@ TEST(CheckpointWriterTest, NullBufferIsInvalidArgument) {
 
 }  // namespace
 }  // namespace cairn
+
+namespace cairn {
+namespace {
+
+// Writes a tiny committed checkpoint (or a partial one) named `name` below root.
+void MakeCheckpoint(Storage* st, const std::string& name, bool commit) {
+  std::vector<float> v(16, 1.0f);
+  NamedBuffer b{"w", "float32", {16}, v.data()};
+  ThreadPool pool(2);
+  ASSERT_TRUE(SaveBuffers(st, name, {b}, &pool, DataFileOptions{}).ok());
+  if (!commit) ASSERT_TRUE(UncommitCheckpoint(st, name).ok());
+}
+
+std::vector<std::string> Names(Storage* st) {
+  std::vector<std::string> out;
+  auto listed = st->List("");
+  EXPECT_TRUE(listed.ok());
+  for (const auto& e : *listed) out.push_back(e.name);
+  return out;
+}
+
+TEST(PruneTest, KeepsNewestCommittedAndRemovesOlderPartials) {
+  auto st = NewMemStorage();
+  MakeCheckpoint(st.get(), "step_1", true);
+  MakeCheckpoint(st.get(), "step_2", false);  // crashed save, older than the newest
+  MakeCheckpoint(st.get(), "step_3", true);
+  MakeCheckpoint(st.get(), "step_4", true);
+  MakeCheckpoint(st.get(), "step_5", false);  // maybe in flight: kept by default
+  ASSERT_TRUE(st->CreateDir("other").ok());
+  std::vector<std::string> removed;
+  PruneOptions opts;
+  opts.keep = 2;
+  ASSERT_TRUE(Prune(st.get(), "", opts, &removed).ok());
+  EXPECT_EQ(removed, (std::vector<std::string>{"step_1", "step_2"}));
+  EXPECT_EQ(Names(st.get()), (std::vector<std::string>{"other", "step_3", "step_4", "step_5"}));
+  opts.remove_newer_partials = true;
+  removed.clear();
+  ASSERT_TRUE(Prune(st.get(), "", opts, &removed).ok());
+  EXPECT_EQ(removed, (std::vector<std::string>{"step_5"}));
+}
+
+TEST(PruneTest, DryRunRemovesNothingAndKeepMustBePositive) {
+  auto st = NewMemStorage();
+  MakeCheckpoint(st.get(), "step_1", true);
+  MakeCheckpoint(st.get(), "step_2", true);
+  std::vector<std::string> removed;
+  PruneOptions opts;
+  opts.keep = 1;
+  opts.dry_run = true;
+  ASSERT_TRUE(Prune(st.get(), "", opts, &removed).ok());
+  EXPECT_EQ(removed, (std::vector<std::string>{"step_1"}));
+  EXPECT_EQ(Names(st.get()).size(), 2u);
+  opts.keep = 0;
+  EXPECT_EQ(Prune(st.get(), "", opts, &removed).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(PruneTest, UncommitsBeforeDeletingData) {
+  auto st = NewMemStorage();
+  MakeCheckpoint(st.get(), "step_1", true);
+  MakeCheckpoint(st.get(), "step_2", true);
+  PruneOptions opts;
+  opts.keep = 1;
+  bool checked = false;
+  opts.after_uncommit = [&](const std::string& name) {
+    EXPECT_EQ(name, "step_1");
+    EXPECT_FALSE(*st->Exists("step_1/cairn.manifest"));  // no longer valid...
+    EXPECT_TRUE(*st->Exists("step_1/data"));             // ...data not yet deleted
+    checked = true;
+  };
+  ASSERT_TRUE(Prune(st.get(), "", opts, nullptr).ok());
+  EXPECT_TRUE(checked);
+  EXPECT_EQ(Names(st.get()), (std::vector<std::string>{"step_2"}));
+}
+
+}  // namespace
+}  // namespace cairn
