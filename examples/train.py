@@ -115,8 +115,12 @@ def main(argv=None) -> int:
         paths = box[0]
     dataset = cairn.data.ShardDataset(list(range(len(paths))), TokenShards(paths, args.seq_len),
                                       shuffle=True, seed=args.seed)
-    loader = cairn.data.DataLoader(dataset, batch_size=args.batch_size,
-                                   num_workers=args.num_workers)
+    # Workers start from a forkserver, not by fork() of this process: by now it runs
+    # gloo, checkpoint and I/O threads, and a fork() that lands while one of them
+    # holds an interpreter lock leaves the worker hung (seen in CPython 3.11).
+    loader = cairn.data.DataLoader(
+        dataset, batch_size=args.batch_size, num_workers=args.num_workers,
+        multiprocessing_context="forkserver" if args.num_workers > 0 else None)
 
     # ---- model, optimizer, schedule ------------------------------------------------
     model = GPT(d=args.d_model, layers=args.layers, seq_len=args.seq_len).to(device)
