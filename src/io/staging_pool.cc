@@ -50,43 +50,53 @@ void CopyPieces(const std::vector<Piece>& pieces, ThreadPool* pool) {
                         [&](size_t i) { std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].n); });
 }
 
-}  // namespace
+// One span of a copy, resolved: the caller's pointer (checked for null), the
+// offset into the staging buffer (checked against its size), and the ends.
+struct ResolvedSpan {
+  const void* external;
+  uint64_t offset;
+  const char* src;
+  char* dst;
+};
 
-Status ParallelCopy(void* dst, uint64_t dst_size, std::span<const CopySpan> spans, ThreadPool* pool,
-                    uint64_t piece_bytes) {
+// Validates every span first (a bad span copies nothing), then copies them all
+// in pieces on `pool`. `resolve(span)` gives the span's ResolvedSpan.
+template <typename Span, typename Resolve>
+Status CopySpans(uint64_t size, std::span<const Span> spans, ThreadPool* pool, uint64_t piece_bytes,
+                 Resolve resolve) {
   if (piece_bytes == 0) return InvalidArgumentError("copy piece size must be positive");
-  // Validate everything first: a bad span copies nothing.
   size_t num_pieces = 0;
   for (size_t i = 0; i < spans.size(); ++i) {
-    CAIRN_RETURN_IF_ERROR(CheckSpan(i, spans[i].src, spans[i].dst_offset, spans[i].nbytes, dst_size,
-                                    piece_bytes, &num_pieces));
+    ResolvedSpan r = resolve(spans[i]);
+    CAIRN_RETURN_IF_ERROR(
+        CheckSpan(i, r.external, r.offset, spans[i].nbytes, size, piece_bytes, &num_pieces));
   }
   std::vector<Piece> pieces;
   pieces.reserve(num_pieces);
-  for (const CopySpan& s : spans) {
-    AddPieces(static_cast<const char*>(s.src), static_cast<char*>(dst) + s.dst_offset, s.nbytes,
-              piece_bytes, &pieces);
+  for (const Span& s : spans) {
+    ResolvedSpan r = resolve(s);
+    AddPieces(r.src, r.dst, s.nbytes, piece_bytes, &pieces);
   }
   CopyPieces(pieces, pool);
   return Status::OK();
 }
 
+}  // namespace
+
+Status ParallelCopy(void* dst, uint64_t dst_size, std::span<const CopySpan> spans, ThreadPool* pool,
+                    uint64_t piece_bytes) {
+  return CopySpans(dst_size, spans, pool, piece_bytes, [dst](const CopySpan& s) {
+    return ResolvedSpan{s.src, s.dst_offset, static_cast<const char*>(s.src),
+                        static_cast<char*>(dst) + s.dst_offset};
+  });
+}
+
 Status ParallelCopyOut(const void* src, uint64_t src_size, std::span<const CopyOutSpan> spans,
                        ThreadPool* pool, uint64_t piece_bytes) {
-  if (piece_bytes == 0) return InvalidArgumentError("copy piece size must be positive");
-  size_t num_pieces = 0;
-  for (size_t i = 0; i < spans.size(); ++i) {
-    CAIRN_RETURN_IF_ERROR(CheckSpan(i, spans[i].dst, spans[i].src_offset, spans[i].nbytes, src_size,
-                                    piece_bytes, &num_pieces));
-  }
-  std::vector<Piece> pieces;
-  pieces.reserve(num_pieces);
-  for (const CopyOutSpan& s : spans) {
-    AddPieces(static_cast<const char*>(src) + s.src_offset, static_cast<char*>(s.dst), s.nbytes,
-              piece_bytes, &pieces);
-  }
-  CopyPieces(pieces, pool);
-  return Status::OK();
+  return CopySpans(src_size, spans, pool, piece_bytes, [src](const CopyOutSpan& s) {
+    return ResolvedSpan{s.dst, s.src_offset, static_cast<const char*>(src) + s.src_offset,
+                        static_cast<char*>(s.dst)};
+  });
 }
 
 struct StagingPool::Slot {
