@@ -132,7 +132,9 @@ def _batches(log):
     return out
 
 
-def test_kill_9_mid_epoch_and_resume_gives_the_same_sequence(tmp_path):
+def _kill_resume_setup(tmp_path):
+    """Writes the TRAIN script and a slow 22-file source, runs it once
+    uninterrupted; returns (tmp, src, script, env, the reference batches)."""
     tmp = str(tmp_path)
     src = "slow://" + make_source(f"{tmp}/src", 22) + "?latency=0.005"
     script = f"{tmp}/train.py"
@@ -141,10 +143,13 @@ def test_kill_9_mid_epoch_and_resume_gives_the_same_sequence(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
-    ref_log = f"{tmp}/ref.jsonl"
-    subprocess.run([sys.executable, script, src, f"{tmp}/cache_ref", ref_log, "2"], env=env,
-                   check=True, timeout=120)
-    reference = _batches(ref_log)
+    subprocess.run([sys.executable, script, src, f"{tmp}/cache_ref", f"{tmp}/ref.jsonl", "2"],
+                   env=env, check=True, timeout=120)
+    return tmp, src, script, env, _batches(f"{tmp}/ref.jsonl")
+
+
+def test_kill_9_mid_epoch_and_resume_gives_the_same_sequence(tmp_path):
+    tmp, src, script, env, reference = _kill_resume_setup(tmp_path)
     assert len(reference) == 22  # 11 batches per epoch, 2 epochs
 
     log = f"{tmp}/run.jsonl"
@@ -236,17 +241,7 @@ def test_loader_rejects_other_datasets():
 def test_repeated_random_kills_always_resume_exactly(tmp_path):
     import random
 
-    tmp = str(tmp_path)
-    src = "slow://" + make_source(f"{tmp}/src", 22) + "?latency=0.005"
-    script = f"{tmp}/train.py"
-    with open(script, "w") as f:
-        f.write(TRAIN)
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    subprocess.run([sys.executable, script, src, f"{tmp}/cache_ref", f"{tmp}/ref.jsonl", "2"],
-                   env=env, check=True, timeout=120)
-    reference = _batches(f"{tmp}/ref.jsonl")
+    tmp, src, script, env, reference = _kill_resume_setup(tmp_path)
     rnd = random.Random(1234)
     for trial in range(8):
         log = f"{tmp}/run{trial}.jsonl"
