@@ -33,8 +33,9 @@ three steps:
    the destination needs (resharding) and copied into it. Any other form is
    decoded with ``torch.load(weights_only=True)``. Non-tensor items are handed
    to the planner (which unpickles them with ``weights_only=False``) only if
-   they also decode with ``weights_only=True``, unless the caller passes
-   ``allow_pickle=True``.
+   they also decode with ``weights_only=True`` (plus cairn's small allowlist,
+   ``SAFE_VALUE_GLOBALS``: ``io.BytesIO`` and a few builtins), unless the
+   caller passes ``allow_pickle=True``.
 
 Items are read, verified and copied in parallel on a small thread pool (the
 heavy calls release the GIL); calls into the planner are serialized by a lock
@@ -673,17 +674,40 @@ def _decode_tensor(buf: bytearray, where: str, verify_crc: bool) -> torch.Tensor
     return flat.as_strided(size, stride, offset)
 
 
+# Types a DCP state holds that torch.load(weights_only=True) does not rebuild on
+# its own but that are safe to rebuild: building one calls no code of the
+# pickle's choosing and reads no raw memory. io.BytesIO is DCP's documented way
+# to save arbitrary bytes; its state (bytes, position, attribute dict) is itself
+# decoded under the same restrictions. Not here on purpose: numpy (its
+# multiarray.scalar rebuilds objects from raw bytes), deque/defaultdict (they
+# would need arbitrary factories). Users extend the set for their own types with
+# torch.serialization.add_safe_globals, which the check honours.
+SAFE_VALUE_GLOBALS = (io.BytesIO, frozenset, range, slice)
+
+# torch.serialization.safe_globals changes process-wide state: the lock keeps
+# cairn's own concurrent checks (StockReader's item threads) from removing the
+# allowlist under one another; each check adds only what the user has not added
+# already, so leaving the block never removes a user's registration.
+_safe_globals_lock = threading.Lock()
+
+
 def check_value_is_safe(data, where: str) -> None:
     """Raises CorruptionError unless ``data`` (a non-tensor item: the planner's
-    ``torch.save(obj)`` bytes) decodes with ``torch.load(weights_only=True)``.
+    ``torch.save(obj)`` bytes) decodes with ``torch.load(weights_only=True)``
+    under cairn's allowlist :data:`SAFE_VALUE_GLOBALS`.
 
     DCP's DefaultLoadPlanner.load_bytes unpickles such items with
     ``weights_only=False``, so without this check a hostile checkpoint runs
     code through any non-tensor value. Plain Python values (numbers, strings,
-    lists, dicts, tuples), tensors and torch.serialization.add_safe_globals'
-    types pass."""
+    lists, dicts, tuples, sets), tensors, ``io.BytesIO``, optimizer
+    ``param_groups`` entries, LR scheduler states and
+    torch.serialization.add_safe_globals' types pass."""
     try:
-        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with _safe_globals_lock:
+            registered = set(torch.serialization.get_safe_globals())
+            extra = [g for g in SAFE_VALUE_GLOBALS if g not in registered]
+            with torch.serialization.safe_globals(extra):
+                torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).splitlines()[0] if str(e) else repr(e)
         raise CorruptionError(

@@ -37,10 +37,11 @@ import json
 import os
 import time
 import uuid
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -62,7 +63,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from cairn import _ext
-from cairn.errors import InvalidArgumentError, NotFoundError
+from cairn.errors import InvalidArgumentError, NotFoundError, PreconditionError
 
 from cairn._stock import StockReader, check_value_is_safe, is_stock_checkpoint
 
@@ -122,6 +123,16 @@ def _default_threads() -> int:
     # I/O threads mostly wait on the device; more requests in flight keep it
     # busy (16 measured ~1.2x faster than 4 on a 2-core VM with virtio disk).
     return max(16, min(32, 2 * (os.cpu_count() or 1)))
+
+
+def _check_serialization_format(fmt: Any) -> None:
+    """Accepts FileSystemWriter's default SerializationFormat.TORCH_SAVE only."""
+    if fmt != SerializationFormat.TORCH_SAVE:
+        raise InvalidArgumentError(
+            f"cairn.Writer cannot write serialization_format={fmt!r}: its data files hold raw "
+            "tensor bytes described by the cairn manifest (docs/format.md); use "
+            "SerializationFormat.TORCH_SAVE (the default) or keep FileSystemWriter"
+        )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -218,25 +229,59 @@ class _Item(NamedTuple):
 class Writer(StorageWriter):
     """A DCP ``StorageWriter`` that writes a cairn checkpoint to ``path``.
 
+    The positional and keyword arguments up to ``serialization_format`` are
+    those of DCP's ``FileSystemWriter``, in its order, so
+    ``FileSystemWriter(path, ...)`` becomes ``cairn.Writer(path, ...)``
+    (README, "Migrating from FileSystemWriter/FileSystemReader").
+
     Args:
         path: checkpoint directory, ``file://DIR`` or ``shm://NAME``. May be
             omitted when ``dcp.save`` is given ``checkpoint_id``.
-        thread_count: I/O threads per rank (default: 16 to 32).
+        single_file_per_rank: accepted, either value: cairn always writes one
+            data file per rank (by many threads in parallel), so False, which
+            makes FileSystemWriter write a file per item, changes nothing.
+        sync_files: fsync data files and the manifest (turn off only for tiers
+            that need no durability, e.g. shared memory). ``sync``, cairn's
+            older name for it, wins when given.
+        thread_count: I/O threads per rank (default: 16 to 32, where
+            FileSystemWriter's is 1).
+        per_thread_copy_ahead: accepted, no effect: cairn copies a rank's
+            device tensors to host memory before writing them.
+        cache_staged_state_dict: must be False: cairn.Writer is not a
+            ``dcp.async_save`` stager. For staging buffers reused across
+            saves pass ``async_stager=cairn.SharedMemoryStager()``.
+        overwrite: replace a committed checkpoint at ``path`` (True, the
+            default, as FileSystemWriter's), or refuse it with
+            :class:`cairn.errors.PreconditionError` (a ``RuntimeError``) naming it, before anything there
+            is touched (False).
+        _extensions: must be empty: cairn does not apply stream transforms
+            (e.g. DCP's ZStandard), it writes raw, checksummed bytes.
+        serialization_format: must be ``SerializationFormat.TORCH_SAVE`` (the
+            default): cairn's data files hold raw tensor bytes described by
+            its manifest (docs/format.md); SAFETENSORS files are not written.
         direct_io: write with O_DIRECT where the filesystem allows it.
-        sync: fsync data files and the manifest (turn off only for tiers that
-            need no durability, e.g. shared memory).
         block_size: checksum block size in bytes.
         user_metadata: a JSON-serializable dict stored in the manifest
             (``extra.user``); read it back with ``Reader.user_metadata``.
+
+    Raises :class:`cairn.InvalidArgumentError` (a ``ValueError``) for a value
+    cairn cannot honour, never ignoring it.
     """
 
     def __init__(
         self,
         path: str | os.PathLike | None = None,
-        *,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
         thread_count: int | None = None,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
+        *,
+        sync: bool | None = None,
         direct_io: bool = True,
-        sync: bool = True,
         block_size: int = _ext.DEFAULT_BLOCK_SIZE,
         user_metadata: dict | None = None,
     ) -> None:
@@ -244,14 +289,41 @@ class Writer(StorageWriter):
         self.path = None if path is None else _uri(path)
         self.user_metadata = dict(user_metadata or {})
         json.dumps(self.user_metadata)  # fail early if it cannot be stored
+        if thread_count is not None and (type(thread_count) is not int or thread_count < 1):
+            raise InvalidArgumentError(f"thread_count must be a positive int, got {thread_count!r}")
+        if type(per_thread_copy_ahead) is not int or per_thread_copy_ahead < 0:
+            raise InvalidArgumentError(
+                f"per_thread_copy_ahead must be a non-negative int, got {per_thread_copy_ahead!r}"
+            )
+        if cache_staged_state_dict:
+            raise InvalidArgumentError(
+                "cairn.Writer does not stage for dcp.async_save, so cache_staged_state_dict=True "
+                "cannot be honoured; pass async_stager=cairn.SharedMemoryStager() to "
+                "dcp.async_save for staging buffers reused across saves"
+            )
+        if _extensions:
+            names = [type(e).__name__ for e in _extensions]
+            raise InvalidArgumentError(
+                f"cairn.Writer does not support stream _extensions ({', '.join(names)}): it "
+                "writes raw, checksummed bytes that loads read straight into tensors; "
+                "drop _extensions (or keep FileSystemWriter for compressed checkpoints)"
+            )
+        _check_serialization_format(serialization_format)
+        self.single_file_per_rank = bool(single_file_per_rank)
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.overwrite = bool(overwrite)
         self.thread_count = thread_count or _default_threads()
         self.direct_io = direct_io
-        self.sync = sync
+        self.sync = bool(sync_files if sync is None else sync)
         self.block_size = block_size
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self.rank = 0
         self._pool: _ext.ThreadPool | None = None
+
+    @property
+    def sync_files(self) -> bool:
+        return self.sync
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -283,8 +355,15 @@ class Writer(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Runs on the coordinator before any rank writes (DCP scatters the
         # plans afterwards): an old manifest in the directory must go first,
-        # or it would "commit" half-new data; old data files go too.
-        _ext.uncommit(_uri(self.path), clear_data=True)
+        # or it would "commit" half-new data; old data files go too. With
+        # overwrite=False a committed checkpoint is refused before that.
+        uri = _uri(self.path)
+        if not self.overwrite and _ext.has_manifest(uri):
+            raise PreconditionError(
+                f"a committed checkpoint already exists at {self.path} and "
+                "cairn.Writer(overwrite=False) refuses to replace it"
+            )
+        _ext.uncommit(uri, clear_data=True)
         return [
             dataclasses.replace(plan, storage_data=_RankFile(f"data/r{rank}.bin"))
             for rank, plan in enumerate(plans)
@@ -482,13 +561,24 @@ def _byte_range(
 class Reader(StorageReader):
     """A DCP ``StorageReader`` for cairn checkpoints (and stock DCP ones).
 
+    ``path`` and ``_extension_registry`` are FileSystemReader's arguments, in
+    its order, so ``FileSystemReader(path, ...)`` becomes
+    ``cairn.Reader(path, ...)``.
+
     Args:
         path: checkpoint directory, ``file://DIR`` or ``shm://NAME``. May be
             omitted when ``dcp.load`` is given ``checkpoint_id``.
+        _extension_registry: accepted, never needed: cairn checkpoints carry
+            no stream transforms (``cairn.Writer`` refuses ``_extensions``),
+            and a stock checkpoint saved with ``_extensions`` (e.g. ZStandard)
+            is refused with :class:`cairn.InvalidArgumentError` naming the
+            item, whatever the registry.
         thread_count: I/O threads (default: 16 to 32).
         allow_pickle: load non-tensor values that need unrestricted unpickling.
             By default each must decode with ``torch.load(weights_only=True)``
-            (numbers, strings, containers, tensors), and any other value is
+            plus cairn's allowlist ``cairn._stock.SAFE_VALUE_GLOBALS``
+            (numbers, strings, containers, tensors, ``io.BytesIO``, optimizer
+            ``param_groups``, LR scheduler states), and any other value is
             refused with :class:`cairn.CorruptionError`: DCP's planner would
             otherwise unpickle it with ``weights_only=False``, so a hostile
             checkpoint could run code. Pass True only for trusted checkpoints.
@@ -502,12 +592,14 @@ class Reader(StorageReader):
     def __init__(
         self,
         path: str | os.PathLike | None = None,
+        _extension_registry: Any = None,
         *,
         thread_count: int | None = None,
         allow_pickle: bool = False,
     ) -> None:
         super().__init__()
         self.path: str | None = None
+        self._extension_registry = _extension_registry
         self.thread_count = thread_count or _default_threads()
         # DCP's planner unpickles non-tensor values with weights_only=False: a
         # hostile checkpoint could run code through one. Unless the caller trusts
