@@ -709,7 +709,10 @@ def check_value_is_safe(data, where: str) -> None:
             with torch.serialization.safe_globals(extra):
                 torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).splitlines()[0] if str(e) else repr(e)
+        # torch's message leads with boilerplate; the line naming the refused
+        # GLOBAL is what tells the user what the value holds.
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [repr(e)]
+        first = next((line for line in lines if "GLOBAL" in line), lines[0])
         raise CorruptionError(
             f"{where}: this non-tensor value needs unrestricted unpickling, refused; "
             f"pass allow_pickle=True if you trust this checkpoint ({first})"

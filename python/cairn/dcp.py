@@ -240,8 +240,9 @@ class Writer(StorageWriter):
         single_file_per_rank: accepted, either value: cairn always writes one
             data file per rank (by many threads in parallel), so False, which
             makes FileSystemWriter write a file per item, changes nothing.
-        sync_files: fsync data files and the manifest (turn off only for tiers
-            that need no durability, e.g. shared memory). ``sync``, cairn's
+        sync_files: fsync every data file before the commit (turn off only
+            for tiers that need no durability, e.g. shared memory); the
+            manifest's commit is always durable (docs/format.md). ``sync``, cairn's
             older name for it, wins when given.
         thread_count: I/O threads per rank (default: 16 to 32, where
             FileSystemWriter's is 1).
