@@ -253,8 +253,9 @@ class Writer(StorageWriter):
             saves pass ``async_stager=cairn.SharedMemoryStager()``.
         overwrite: replace a committed checkpoint at ``path`` (True, the
             default, as FileSystemWriter's), or refuse it with
-            :class:`cairn.errors.PreconditionError` (a ``RuntimeError``) naming it, before anything there
-            is touched (False).
+            :class:`cairn.errors.PreconditionError` (a ``RuntimeError``)
+            naming it, before anything there is touched (False). A partial,
+            uncommitted save at ``path`` is no checkpoint and is replaced.
         _extensions: must be empty: cairn does not apply stream transforms
             (e.g. DCP's ZStandard), it writes raw, checksummed bytes.
         serialization_format: must be ``SerializationFormat.TORCH_SAVE`` (the
