@@ -97,7 +97,8 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 def _uri(path: str | os.PathLike | None) -> str:
-    """The storage URI of a checkpoint path: a directory, file://DIR or shm://NAME."""
+    """The storage URI of a checkpoint path: a directory, file://DIR, shm://NAME
+    or s3://BUCKET/PREFIX."""
     if path is None:
         raise InvalidArgumentError(
             "no checkpoint path: pass one to cairn.Writer/Reader or as checkpoint_id"
@@ -105,12 +106,14 @@ def _uri(path: str | os.PathLike | None) -> str:
     s = os.fspath(path)
     if not isinstance(s, str) or not s:
         raise InvalidArgumentError(f"invalid checkpoint path {path!r}")
-    if "://" in s and not s.startswith(("file://", "shm://", "fault://")):
+    if "://" in s and not s.startswith(("file://", "shm://", "fault://", "s3://")):
         raise InvalidArgumentError(f"unsupported checkpoint URI scheme: {s}")
     return s
 
 
 def _local_path(uri: str) -> str | None:
+    if uri.startswith("s3://"):
+        return None
     if uri.startswith("file://"):
         return uri[len("file://") :]
     if uri.startswith("shm://"):
@@ -219,7 +222,8 @@ class Writer(StorageWriter):
     """A DCP ``StorageWriter`` that writes a cairn checkpoint to ``path``.
 
     Args:
-        path: checkpoint directory, ``file://DIR`` or ``shm://NAME``. May be
+        path: checkpoint directory, ``file://DIR``, ``shm://NAME`` or
+            ``s3://BUCKET/PREFIX`` (configured as the AWS tools are). May be
             omitted when ``dcp.save`` is given ``checkpoint_id``.
         thread_count: I/O threads per rank (default: 16 to 32).
         direct_io: write with O_DIRECT where the filesystem allows it.
@@ -483,7 +487,8 @@ class Reader(StorageReader):
     """A DCP ``StorageReader`` for cairn checkpoints (and stock DCP ones).
 
     Args:
-        path: checkpoint directory, ``file://DIR`` or ``shm://NAME``. May be
+        path: checkpoint directory, ``file://DIR``, ``shm://NAME`` or
+            ``s3://BUCKET/PREFIX`` (configured as the AWS tools are). May be
             omitted when ``dcp.load`` is given ``checkpoint_id``.
         thread_count: I/O threads (default: 16 to 32).
         allow_pickle: load non-tensor values that need unrestricted unpickling.
