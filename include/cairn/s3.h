@@ -23,7 +23,9 @@
 //     the object appears. Abort() (or an error) aborts the upload.
 //     Contract relied on: every byte is written at most once, and bytes of a
 //     part already sent are not written again (the checkpoint writer and
-//     CopyCheckpoint write each block once);
+//     CopyCheckpoint write each block once). Memory: the parts being filled,
+//     about (writer threads x block size) when blocks are written in
+//     roughly ascending order, as the checkpoint writer does;
 //   * a ReadableFile reads the first `prefetch_bytes` when it is opened
 //     (small files, e.g. manifests, are then read whole with one GET) and
 //     the rest with ranged GETs straight into the caller's buffer, pinned
