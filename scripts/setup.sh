@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 APT_PACKAGES=(g++ cmake ninja-build pkg-config libgtest-dev libgmock-dev libbenchmark-dev
-  libxxhash-dev nlohmann-json3-dev libcli11-dev liburing-dev clang-format)
+  libxxhash-dev nlohmann-json3-dev libcli11-dev liburing-dev clang-format
+  libcurl4-openssl-dev libssl-dev libpugixml-dev)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -25,10 +26,11 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=$ROOT/.venv/bin/python
-if ! "$VPY" -c "import torch, nanobind, pytest, numpy; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
+if ! "$VPY" -c "import torch, nanobind, pytest, numpy, moto, boto3; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
   echo "== installing Python packages"
   "$VPY" -m pip install -q --upgrade pip
-  "$VPY" -m pip install -q "torch==2.13.0" numpy pytest "nanobind>=2.0" "scikit-build-core>=0.10" ninja
+  "$VPY" -m pip install -q "torch==2.13.0" numpy pytest "nanobind>=2.0" "scikit-build-core>=0.10" ninja \
+    "moto[server]" boto3
 fi
 
 echo "== building (build/)"

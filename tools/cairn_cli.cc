@@ -5,8 +5,9 @@
 //   cairn verify PATH       checks every byte; exit 1 naming the culprit if corrupt
 //   cairn cp SRC DST        copies a committed checkpoint (dirs or shm:// URIs)
 //   cairn prune ROOT -k K   keeps the newest K committed step_<N> checkpoints
+//                           (and aborts stale unfinished S3 uploads)
 //
-// PATH/ROOT are directories, file://DIR or shm://NAME. Exit codes: 0 ok,
+// PATH/ROOT are directories, file://DIR, shm://NAME or s3://BUCKET/PREFIX. Exit codes: 0 ok,
 // 1 corruption or failure, 2 usage or not found.
 #include <unistd.h>
 
@@ -184,13 +185,15 @@ int CmdCp(const std::string& src, const std::string& dst, size_t threads, bool v
   return 0;
 }
 
-int CmdPrune(const std::string& root, uint64_t keep, bool partials, bool dry_run) {
+int CmdPrune(const std::string& root, uint64_t keep, bool partials, bool dry_run,
+             double stale_uploads_s) {
   auto storage = cairn::OpenStorage(root, /*create=*/false);
   if (!storage.ok()) return Fail(storage.status());
   cairn::PruneOptions opts;
   opts.keep = keep;
   opts.remove_newer_partials = partials;
   opts.dry_run = dry_run;
+  opts.stale_upload_age_s = stale_uploads_s;
   std::vector<std::string> removed;
   Status s = cairn::Prune(storage->get(), "", opts, &removed);
   for (const auto& name : removed) {
@@ -212,7 +215,8 @@ int main(int argc, char** argv) {
   std::string root, path, src, dst;
   bool as_json = false, verify_dst = false;
   auto* ls = app.add_subcommand("ls", "list checkpoints below ROOT (step, size, state)");
-  ls->add_option("ROOT", root, "directory, file://DIR or shm://NAME")->required();
+  ls->add_option("ROOT", root, "directory, file://DIR, shm://NAME or s3://BUCKET/PREFIX")
+      ->required();
   auto* inspect = app.add_subcommand("inspect", "show the tensors and files of a checkpoint");
   inspect->add_option("PATH", path, "checkpoint directory or URI")->required();
   inspect->add_flag("--json", as_json, "print the manifest body as JSON");
@@ -225,13 +229,17 @@ int main(int argc, char** argv) {
   uint64_t keep = 1;
   bool partials = false, dry_run = false;
   auto* prune = app.add_subcommand("prune", "keep the newest K committed step_<N> checkpoints");
-  prune->add_option("ROOT", root, "directory, file://DIR or shm://NAME")->required();
+  prune->add_option("ROOT", root, "directory, file://DIR, shm://NAME or s3://BUCKET/PREFIX")
+      ->required();
   prune->add_option("-k,--keep", keep, "committed checkpoints to keep")
       ->required()
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 40));
   prune->add_flag("--partial", partials,
                   "also remove partial checkpoints newer than the newest committed one");
   prune->add_flag("-n,--dry-run", dry_run, "only list what would be removed");
+  double stale_uploads_s = 3600;
+  prune->add_option("--stale-uploads", stale_uploads_s,
+                    "abort unfinished uploads (s3) older than this many seconds; -1: never");
 
   try {
     app.parse(argc, argv);
@@ -242,6 +250,6 @@ int main(int argc, char** argv) {
   if (*inspect) return CmdInspect(path, as_json);
   if (*verify) return CmdVerify(path, threads);
   if (*cp) return CmdCp(src, dst, threads, verify_dst);
-  if (*prune) return CmdPrune(root, keep, partials, dry_run);
+  if (*prune) return CmdPrune(root, keep, partials, dry_run, stale_uploads_s);
   return 2;
 }

@@ -220,6 +220,10 @@ struct PruneOptions {
   // Called after a checkpoint's manifest is removed and before its data is
   // (tests use it to kill the process between the two steps).
   std::function<void(const std::string& name)> after_uncommit;
+  // Unfinished uploads below the root (multipart uploads of killed saves on
+  // s3) older than this many seconds are aborted (Storage::AbortStaleUploads);
+  // negative: never. Younger ones may belong to a save in flight.
+  double stale_upload_age_s = 3600;
 };
 
 // Applies retention to the step_<N> checkpoints directly below `root`: keeps
@@ -227,7 +231,8 @@ struct PruneOptions {
 // partial leftovers (see PruneOptions). A checkpoint is removed manifest
 // first, so a crash mid-way leaves a partial directory, never a committed one
 // with missing data. The newest committed checkpoint is never removed.
-// Directories not named step_<N> are left alone. On success stores the names
+// Directories not named step_<N> are left alone. Stale unfinished uploads
+// are aborted (see PruneOptions). On success stores the names
 // removed (or that would be, with dry_run) in *removed, oldest first.
 Status Prune(Storage* storage, std::string_view root, const PruneOptions& opts,
              std::vector<std::string>* removed);

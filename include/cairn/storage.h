@@ -14,6 +14,7 @@
 //   mem    a process-local map, for tests.
 //   fault  a wrapper that injects errors, short writes and latency
 //          (cairn/fault_injection.h).
+//   s3     an S3 bucket prefix over libcurl (cairn/s3.h).
 // Every backend passes the conformance suite in
 // tests/cpp/storage_conformance_test.cc, which is also the precise contract
 // of each method below (error codes included).
@@ -48,7 +49,19 @@ class WritableFile {
   virtual Status Sync() = 0;
 
   // Releases the file. Writes after Close() fail. Close() does not imply Sync().
+  // (On s3, Close() publishes the object like Sync() does: see cairn/s3.h.)
   virtual Status Close() = 0;
+
+  // Declares that [offset, offset+n) will never be written: it reads as
+  // zeros (padding between items). Lets a backend that uploads in parts (s3)
+  // send a part as soon as the rest of it is written. A no-op elsewhere.
+  virtual Status Hole(uint64_t offset, uint64_t n) { return Status::OK(); }
+
+  // Gives up on the file after a failed write: releases it like Close(), and
+  // a backend that publishes only at the end (s3) discards what was written
+  // (aborts the multipart upload). What remains of the file is unspecified
+  // (posix keeps the partial file); callers never commit it.
+  virtual Status Abort() { return Close(); }
 };
 
 // A file being read. ReadAt may be called concurrently from several threads.
@@ -124,6 +137,24 @@ class Storage {
   // The size of file `key` in bytes.
   virtual Result<uint64_t> FileSize(std::string_view key) = 0;
 
+  // Creates `key` holding exactly `data`, atomically and durably: readers see
+  // no file (or the previous one) or all of `data`, never a part; on OK it
+  // survives a crash. With `if_absent`, fails with kAlreadyExists when `key`
+  // exists, changing nothing. The commit of a checkpoint's manifest uses it.
+  // The default writes `key`.tmp, syncs it, renames it over `key` and syncs
+  // the directory (if_absent is then checked before the rename, which is
+  // enough for a single committer); s3 does one PUT with If-None-Match: *.
+  virtual Status PutAtomic(std::string_view key, std::string_view data, bool if_absent = false);
+
+  // Aborts unfinished uploads below `dir` ("" = the root) started more than
+  // `older_than_s` seconds ago (left behind by killed saves); OK and a no-op
+  // for backends without them. `aborted` (optional) counts them.
+  virtual Status AbortStaleUploads(std::string_view dir, double older_than_s,
+                                   size_t* aborted = nullptr) {
+    if (aborted) *aborted = 0;
+    return Status::OK();
+  }
+
   // A human-readable name of the root, e.g. "/data/ckpt" or "shm://job1".
   virtual std::string Describe() const = 0;
 
@@ -152,7 +183,8 @@ std::string ShmDirectory(std::string_view name);
 std::unique_ptr<Storage> NewMemStorage();
 
 // Opens the storage named by `uri`: a plain path or "file://PATH" (posix),
-// "shm://NAME" (shm), "mem://" (a fresh mem storage) or "fault://NAME/SUB"
+// "shm://NAME" (shm), "mem://" (a fresh mem storage), "s3://BUCKET/PREFIX"
+// (s3, configured from the environment: cairn/s3.h) or "fault://NAME/SUB"
 // (a registered fault injector's base, see cairn/fault_injection.h).
 Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create = true);
 

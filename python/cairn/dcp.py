@@ -98,7 +98,8 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 def _uri(path: str | os.PathLike | None) -> str:
-    """The storage URI of a checkpoint path: a directory, file://DIR or shm://NAME."""
+    """The storage URI of a checkpoint path: a directory, file://DIR, shm://NAME
+    or s3://BUCKET/PREFIX."""
     if path is None:
         raise InvalidArgumentError(
             "no checkpoint path: pass one to cairn.Writer/Reader or as checkpoint_id"
@@ -106,12 +107,14 @@ def _uri(path: str | os.PathLike | None) -> str:
     s = os.fspath(path)
     if not isinstance(s, str) or not s:
         raise InvalidArgumentError(f"invalid checkpoint path {path!r}")
-    if "://" in s and not s.startswith(("file://", "shm://", "fault://")):
+    if "://" in s and not s.startswith(("file://", "shm://", "fault://", "s3://")):
         raise InvalidArgumentError(f"unsupported checkpoint URI scheme: {s}")
     return s
 
 
 def _local_path(uri: str) -> str | None:
+    if uri.startswith("s3://"):
+        return None
     if uri.startswith("file://"):
         return uri[len("file://") :]
     if uri.startswith("shm://"):
@@ -235,7 +238,8 @@ class Writer(StorageWriter):
     (README, "Migrating from FileSystemWriter/FileSystemReader").
 
     Args:
-        path: checkpoint directory, ``file://DIR`` or ``shm://NAME``. May be
+        path: checkpoint directory, ``file://DIR``, ``shm://NAME`` or
+            ``s3://BUCKET/PREFIX`` (configured as the AWS tools are). May be
             omitted when ``dcp.save`` is given ``checkpoint_id``.
         single_file_per_rank: accepted, either value: cairn always writes one
             data file per rank (by many threads in parallel), so False, which
@@ -568,7 +572,8 @@ class Reader(StorageReader):
     ``cairn.Reader(path, ...)``.
 
     Args:
-        path: checkpoint directory, ``file://DIR`` or ``shm://NAME``. May be
+        path: checkpoint directory, ``file://DIR``, ``shm://NAME`` or
+            ``s3://BUCKET/PREFIX`` (configured as the AWS tools are). May be
             omitted when ``dcp.load`` is given ``checkpoint_id``.
         _extension_registry: accepted, never needed: cairn checkpoints carry
             no stream transforms (``cairn.Writer`` refuses ``_extensions``),

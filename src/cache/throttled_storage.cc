@@ -120,6 +120,12 @@ class ThrottledStorage final : public Storage {
     return base_->Rename(from, to);
   }
   Status SyncDir(std::string_view dir) override { return base_->SyncDir(dir); }
+  Status PutAtomic(std::string_view key, std::string_view data, bool if_absent) override {
+    return base_->PutAtomic(key, data, if_absent);
+  }
+  Status AbortStaleUploads(std::string_view dir, double older_than_s, size_t* aborted) override {
+    return base_->AbortStaleUploads(dir, older_than_s, aborted);
+  }
   Status CreateDir(std::string_view dir) override { return base_->CreateDir(dir); }
   Status DeleteFile(std::string_view key) override { return base_->DeleteFile(key); }
   Status DeleteDir(std::string_view dir) override { return base_->DeleteDir(dir); }

@@ -43,6 +43,10 @@ Status Prune(Storage* storage, std::string_view root, const PruneOptions& opts,
     if (s.ok()) s = storage->DeleteDir(dir);
     if (!s.ok()) return s.WithContext(where + ": removing " + c->name);
   }
+  if (!opts.dry_run && opts.stale_upload_age_s >= 0) {
+    Status s = storage->AbortStaleUploads(root, opts.stale_upload_age_s);
+    if (!s.ok()) return s.WithContext(where + ": aborting stale uploads");
+  }
   return Status::OK();
 }
 

@@ -417,6 +417,32 @@ Status CopyCheckpoint(Storage* src, std::string_view src_dir, Storage* dst,
     if (!s.ok()) return s.WithContext(where);
   }
 
+  // The padding between items is never written: declare it (an S3 file
+  // then uploads each part as soon as its items are copied).
+  {
+    std::vector<std::vector<std::pair<uint64_t, uint64_t>>> items(m.files.size());
+    auto add = [&](const ItemLocation& l) {
+      if (l.length > 0 && l.file < items.size()) items[l.file].emplace_back(l.offset, l.length);
+    };
+    for (const auto& t : m.tensors) {
+      for (const auto& c : t.chunks) add(c.location);
+    }
+    for (const auto& b : m.bytes) add(b.location);
+    for (size_t f = 0; s.ok() && f < items.size(); ++f) {
+      std::sort(items[f].begin(), items[f].end());
+      uint64_t end = 0;
+      for (const auto& [off, len] : items[f]) {
+        if (off > end && s.ok()) s = files[f].out->Hole(end, off - end);
+        end = std::max(end, off + len);
+      }
+      if (end < m.files[f].size && s.ok()) s = files[f].out->Hole(end, m.files[f].size - end);
+    }
+    if (!s.ok()) {
+      for (auto& fp : files) fp.out->Abort().IgnoreError();
+      return s.WithContext(where);
+    }
+  }
+
   // One task per item block: read it piecewise into the thread's buffer,
   // hash it, write it. Padding is never copied: fresh files read as zeros.
   std::atomic<uint64_t> done{0};
@@ -491,7 +517,7 @@ Status CopyCheckpoint(Storage* src, std::string_view src_dir, Storage* dst,
     }
     s = group.Wait();
   }
-  for (auto& fp : files) fp.out->Close().IgnoreError();
+  for (auto& fp : files) (s.ok() ? fp.out->Close() : fp.out->Abort()).IgnoreError();
   if (!s.ok()) return s.WithContext(where);
   if (opts.verify_destination) {
     s = VerifyData(dst, dst_dir, m, pool);

@@ -4,17 +4,23 @@
 //   1. UncommitCheckpoint: if the directory already holds a manifest, delete
 //      it and sync the directory. From now on the directory is partial.
 //   2. Every rank writes its data file(s) with WriteDataFile: allocate the
-//      final size (ENOSPC surfaces now), write blocks in parallel, fsync,
-//      close.
+//      final size (ENOSPC surfaces now), declare the padding between items
+//      as holes (an S3 file then uploads each part as soon as it is full),
+//      write blocks in parallel, fsync, close. A failed write aborts the
+//      file (an S3 multipart upload is discarded, not completed).
 //   3. Once every data file is durable (the DCP layer knows this after its
 //      gather of write results), one process calls CommitManifest:
 //        a. fsync the data/ directory and the checkpoint directory, so the
 //           data files' directory entries are durable;
-//        b. write the manifest to cairn.manifest.tmp, fsync it, close it;
-//        c. rename it to cairn.manifest (atomic);
-//        d. fsync the checkpoint directory.
-//      A crash before (c) leaves no manifest: the checkpoint is partial and
-//      readers skip it. After (d) it is committed and survives a power cut.
+//        b. Storage::PutAtomic(cairn.manifest, if_absent): on posix/shm/mem
+//           write cairn.manifest.tmp, fsync, rename it to cairn.manifest
+//           (atomic), fsync the directory; on S3 one PUT with
+//           If-None-Match: * (S3 has no atomic rename). if_absent means two
+//           writers can never both commit the same step: the second gets
+//           kAlreadyExists.
+//      A crash before (b) completes leaves no manifest: the checkpoint is
+//      partial and readers skip it. After (b) it is committed and survives
+//      a power cut.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -114,6 +120,12 @@ Result<DataFileResult> WriteDataFile(Storage* storage, std::string_view key,
   if (!created.ok()) return created.status().WithContext("writing " + where);
   std::unique_ptr<WritableFile> file = std::move(created).value();
   Status s = file->Allocate(end);
+  for (size_t i = 0, prev_end = 0; s.ok() && i < buffers.size(); ++i) {
+    const ItemLocation& loc = result.items[i];
+    if (loc.length == 0) continue;
+    if (loc.offset > prev_end) s = file->Hole(prev_end, loc.offset - prev_end);
+    prev_end = loc.offset + loc.length;
+  }
   if (s.ok()) {
     TaskGroup group(pool);
     for (size_t i = 0; i < buffers.size(); ++i) {
@@ -132,8 +144,11 @@ Result<DataFileResult> WriteDataFile(Storage* storage, std::string_view key,
     s = group.Wait();
   }
   if (s.ok() && opts.sync) s = file->Sync();
-  Status c = file->Close();
-  if (s.ok()) s = c;
+  if (!s.ok()) {
+    file->Abort().IgnoreError();
+    return s.WithContext("writing " + where);
+  }
+  s = file->Close();
   if (!s.ok()) return s.WithContext("writing " + where);
   return result;
 }
@@ -155,14 +170,11 @@ Status CommitManifest(Storage* storage, std::string_view dir, const Manifest& m)
     std::string data_dir = internal::JoinDir(dir, format::kDataDir);
     CAIRN_ASSIGN_OR_RETURN(bool has_data, storage->Exists(data_dir));
     if (has_data) CAIRN_RETURN_IF_ERROR(storage->SyncDir(data_dir));
-    CAIRN_RETURN_IF_ERROR(storage->CreateDir(dir));
-    std::string tmp = internal::JoinDir(dir, format::kManifestTempName);
-    CAIRN_ASSIGN_OR_RETURN(auto f, storage->NewWritableFile(tmp));
-    CAIRN_RETURN_IF_ERROR(f->WriteAt(0, encoded->data(), encoded->size()));
-    CAIRN_RETURN_IF_ERROR(f->Sync());
-    CAIRN_RETURN_IF_ERROR(f->Close());
-    CAIRN_RETURN_IF_ERROR(storage->Rename(tmp, internal::JoinDir(dir, format::kManifestName)));
-    return storage->SyncDir(dir);
+    // PutAtomic's default writes JoinDir(dir, kManifestTempName) first.
+    static_assert(format::kManifestTempName.substr(0, format::kManifestName.size()) ==
+                  format::kManifestName);
+    return storage->PutAtomic(internal::JoinDir(dir, format::kManifestName), *encoded,
+                              /*if_absent=*/true);
   }();
   return s.WithContext(where);
 }

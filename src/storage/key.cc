@@ -38,4 +38,26 @@ std::string JoinKey(std::string_view a, std::string_view b) {
   return out;
 }
 
+Status Storage::PutAtomic(std::string_view key, std::string_view data, bool if_absent) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
+  std::string tmp = std::string(key) + ".tmp";
+  CAIRN_ASSIGN_OR_RETURN(auto f, NewWritableFile(tmp));
+  Status s = f->WriteAt(0, data.data(), data.size());
+  if (s.ok()) s = f->Sync();
+  Status c = f->Close();
+  if (s.ok()) s = c;
+  if (s.ok() && if_absent) {
+    auto e = Exists(key);
+    if (!e.ok()) s = e.status();
+    if (s.ok() && *e) s = AlreadyExistsError(std::string(key) + " already exists");
+  }
+  if (!s.ok()) {
+    DeleteFile(tmp).IgnoreError();
+    return s;
+  }
+  CAIRN_RETURN_IF_ERROR(Rename(tmp, key));
+  size_t slash = key.rfind('/');
+  return SyncDir(slash == std::string_view::npos ? std::string_view() : key.substr(0, slash));
+}
+
 }  // namespace cairn

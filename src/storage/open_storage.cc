@@ -1,12 +1,13 @@
 // OpenStorage: the one place where a URI picks a backend.
 #include "cairn/fault_injection.h"
+#include "cairn/s3.h"
 #include "cairn/storage.h"
 
 namespace cairn {
 
 Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create) {
   constexpr std::string_view kFile = "file://", kShm = "shm://", kMem = "mem://",
-                             kFault = "fault://";
+                             kFault = "fault://", kS3 = "s3://";
   auto starts = [&](std::string_view p) { return uri.substr(0, p.size()) == p; };
   if (uri.empty()) return InvalidArgumentError("empty storage URI");
   if (starts(kShm)) {
@@ -16,6 +17,7 @@ Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create) 
   }
   if (uri == kMem) return std::unique_ptr<Storage>(NewMemStorage());
   if (starts(kFault)) return OpenFaultStorage(uri, create);
+  if (starts(kS3)) return NewS3Storage(uri, S3OptionsFromEnvironment(), create);
   if (starts(kFile)) uri.remove_prefix(kFile.size());
   if (uri.find("://") != std::string_view::npos) {
     return InvalidArgumentError("unsupported storage URI scheme: " + std::string(uri));

@@ -3,7 +3,10 @@
 //
 // Backends: posix (buffered), posix with direct I/O (on the temp
 // directory's filesystem, ext4/xfs in CI, so O_DIRECT really runs), shm,
-// mem, and the fault-injection wrapper around mem with no rules.
+// mem, and the fault-injection wrapper around mem with no rules; and s3 when
+// CAIRN_TEST_S3_URI names a bucket (ctest's s3_conformance entry runs this
+// binary under tests/s3/moto_server.py --auth, i.e. against a local moto
+// server that checks every SigV4 signature).
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -41,13 +44,19 @@ void PrintTo(const Backend& b, std::ostream* os) { *os << b.name; }
 
 std::string ShmName(const std::string& id) { return "cairn-conformance-" + id; }
 
+// s3://BUCKET of a test server, or "".
+std::string TestS3Uri() {
+  const char* v = std::getenv("CAIRN_TEST_S3_URI");
+  return v ? v : "";
+}
+
 std::vector<Backend> AllBackends() {
   auto posix = [](const std::string& scratch, const std::string&) {
     auto r = NewPosixStorage(scratch + "/root");
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     return std::move(r).value();
   };
-  return {
+  std::vector<Backend> out = {
       {"posix", false, true, posix},
       {"posix_direct", true, true, posix},
       {"shm", false, true,
@@ -66,6 +75,20 @@ std::vector<Backend> AllBackends() {
          return std::make_unique<FaultInjectionStorage>(NewMemStorage());
        }},
   };
+  if (!TestS3Uri().empty()) {
+    // Each test gets its own prefix in the test bucket.
+    out.push_back({"s3", false, false,
+                   [](const std::string&, const std::string& id) -> std::unique_ptr<Storage> {
+                     auto r = OpenStorage(TestS3Uri() + "/conformance-" + id);
+                     EXPECT_TRUE(r.ok()) << r.status().ToString();
+                     return r.ok() ? std::move(r).value() : nullptr;
+                   },
+                   [](const std::string& id) {
+                     auto r = OpenStorage(TestS3Uri() + "/conformance-" + id);
+                     if (r.ok()) (*r)->DeleteDir("").IgnoreError();
+                   }});
+  }
+  return out;
 }
 
 class StorageConformanceTest : public ::testing::TestWithParam<Backend> {

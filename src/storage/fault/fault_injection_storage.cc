@@ -200,6 +200,8 @@ class FaultWritableFile final : public WritableFile {
     }
     return base_->Close();
   }
+  Status Hole(uint64_t offset, uint64_t n) override { return base_->Hole(offset, n); }
+  Status Abort() override { return base_->Abort(); }
 
  private:
   std::unique_ptr<WritableFile> base_;

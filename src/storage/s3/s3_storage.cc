@@ -1,0 +1,1031 @@
+// S3Storage: the Storage interface over an S3 bucket prefix (see
+// include/cairn/s3.h for the mapping of files and directories to objects).
+//
+// Request path, one place for each concern:
+//   Execute()    signs (sigv4.h), sends (http.h) and retries one request:
+//                full-jitter exponential backoff on every kUnavailable outcome
+//                (5xx, 503 SlowDown, 429, timeouts, stalls, resets, refused
+//                connections), bounded by S3Options::max_attempts and by
+//                retry_deadline_s in total (each attempt's curl timeout is the
+//                time left), so a dead or stalled server gives a clear error
+//                in bounded time, never a hang.
+//   S3Status()   the one function translating HTTP statuses, S3 error codes
+//                and curl failures into Status codes.
+//
+// Multipart upload protocol of S3WritableFile (why it looks like this: the
+// checkpoint writer writes 2 MiB pieces of every block from a thread pool,
+// in roughly ascending order but not in order, and never writes the padding
+// between items, which it declares with Hole()):
+//   1. Bytes are copied into part buffers of part_size (zero-filled, so a
+//      hole reads as zeros). Each part counts the bytes written into it.
+//   2. The thread whose write completes a full part uploads it (the first one
+//      also creates the multipart upload): uploads overlap with the writing
+//      of later parts, as many in flight as there are writer threads.
+//   3. Sync()/Close() send what is left (the last, partial part and any part
+//      with bytes never written) in parallel on the storage's pool, then
+//      CompleteMultipartUpload: only now does the object exist. A file that
+//      never filled one part and fits in one is a single PUT instead.
+//   4. Any failure, Abort() or destruction without Close() aborts the
+//      upload, so a failed save leaves no object and no stored parts; parts
+//      of a killed process are removed by AbortStaleUploads (cairn prune).
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <pugixml.hpp>
+#include <random>
+#include <thread>
+
+#include "cairn/s3.h"
+#include "cairn/thread_pool.h"
+#include "storage/s3/http.h"
+#include "storage/s3/sigv4.h"
+
+namespace cairn {
+namespace {
+
+using s3::HttpRequest;
+using s3::HttpResponse;
+using Clock = std::chrono::steady_clock;
+using Params = std::vector<std::pair<std::string, std::string>>;
+
+constexpr uint64_t kMinPartSize = uint64_t{5} << 20;
+constexpr uint64_t kMaxParts = 10000;
+constexpr size_t kSignedBodyLimit = 64 << 10;
+constexpr uint64_t kMaxCopySize = uint64_t{5} << 30;
+
+std::string Env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::string(v) : std::string();
+}
+
+// ---- errors ------------------------------------------------------------------
+
+struct S3Error {
+  std::string code, message;
+};
+
+// Parses an S3 <Error><Code/><Message/></Error> body, if it is one.
+std::optional<S3Error> ParseError(const std::string& body) {
+  if (body.find("<Error") == std::string::npos) return std::nullopt;
+  pugi::xml_document doc;
+  if (!doc.load_buffer(body.data(), body.size())) return std::nullopt;
+  pugi::xml_node e = doc.child("Error");
+  if (!e) return std::nullopt;
+  return S3Error{e.child_value("Code"), e.child_value("Message")};
+}
+
+// The one place where the outcome of an S3 request becomes a Status.
+Status S3Status(const HttpResponse& r, const std::string& what) {
+  if (r.curl_code != 0) {
+    if (r.dest_overflow) return UnavailableError(what + ": response longer than requested");
+    return UnavailableError(what + ": " + (r.timed_out ? "timed out" : "request failed") + " (" +
+                            r.curl_error + ")");
+  }
+  std::optional<S3Error> err = ParseError(r.body);
+  if (r.status >= 200 && r.status < 300) {
+    // CompleteMultipartUpload and CopyObject can fail with a 200 and an
+    // error body.
+    if (!err || r.body.find("<Error>") == std::string::npos) return Status::OK();
+  }
+  std::string detail = what + ": HTTP " + std::to_string(r.status);
+  if (err && !err->code.empty()) detail += " " + err->code;
+  if (err && !err->message.empty()) detail += ": " + err->message;
+  const std::string code = err ? err->code : std::string();
+  if (code == "SlowDown" || code == "InternalError" || code == "RequestTimeout" ||
+      code == "ServiceUnavailable" || code == "ConditionalRequestConflict") {
+    return UnavailableError(detail);
+  }
+  switch (r.status) {
+    case 200:
+      return IOError(detail);
+    case 400:
+      return InvalidArgumentError(detail);
+    case 401:
+    case 403:
+      return PermissionDeniedError(detail);
+    case 404:
+      return NotFoundError(detail);
+    case 409:
+      return FailedPreconditionError(detail);
+    case 412:
+      return AlreadyExistsError(detail);
+    case 416:
+      return OutOfRangeError(detail);
+    case 408:
+    case 429:
+      return UnavailableError(detail);
+    default:
+      if (r.status >= 500) return UnavailableError(detail);
+      return IOError(detail);
+  }
+}
+
+std::string XmlEscape(std::string_view s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      case '\'':
+        out += "&apos;";
+        break;
+      default:
+        out.push_back(c);
+    }
+  }
+  return out;
+}
+
+// ---- configuration -------------------------------------------------------------
+
+// Reads `[profile]` of an AWS credentials file.
+s3::Credentials CredentialsFromFile(const std::string& path, const std::string& profile) {
+  s3::Credentials c;
+  std::ifstream in(path);
+  std::string line, section;
+  auto trim = [](std::string s) {
+    size_t b = s.find_first_not_of(" \t\r");
+    size_t e = s.find_last_not_of(" \t\r");
+    return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+  };
+  while (std::getline(in, line)) {
+    line = trim(line);
+    if (line.empty() || line[0] == '#' || line[0] == ';') continue;
+    if (line.front() == '[' && line.back() == ']') {
+      section = trim(line.substr(1, line.size() - 2));
+      if (section.rfind("profile ", 0) == 0) section = trim(section.substr(8));
+      continue;
+    }
+    if (section != profile) continue;
+    size_t eq = line.find('=');
+    if (eq == std::string::npos) continue;
+    std::string k = trim(line.substr(0, eq)), v = trim(line.substr(eq + 1));
+    if (k == "aws_access_key_id") c.access_key_id = v;
+    if (k == "aws_secret_access_key") c.secret_access_key = v;
+    if (k == "aws_session_token") c.session_token = v;
+  }
+  return c;
+}
+
+s3::Credentials CredentialsFromEnvironment() {
+  s3::Credentials c{Env("AWS_ACCESS_KEY_ID"), Env("AWS_SECRET_ACCESS_KEY"),
+                    Env("AWS_SESSION_TOKEN")};
+  if (!c.access_key_id.empty() && !c.secret_access_key.empty()) return c;
+  std::string file = Env("AWS_SHARED_CREDENTIALS_FILE");
+  if (file.empty() && !Env("HOME").empty()) file = Env("HOME") + "/.aws/credentials";
+  std::string profile = Env("AWS_PROFILE");
+  if (profile.empty()) profile = "default";
+  return file.empty() ? s3::Credentials{} : CredentialsFromFile(file, profile);
+}
+
+// ---- the storage ---------------------------------------------------------------
+
+struct Call {
+  Call(std::string m, std::string k) : method(std::move(m)), key(std::move(k)) {}
+  std::string method;
+  std::string key;  // full object key; "" = the bucket
+  Params query;
+  Params headers;  // lower-case names; signed
+  const char* body = nullptr;
+  size_t body_len = 0;
+  char* dest = nullptr;
+  size_t dest_len = 0;
+};
+
+struct Outcome {
+  HttpResponse resp;
+  Status status;  // S3Status of the last attempt (with the retry count on failure)
+};
+
+struct ObjectInfo {
+  uint64_t size = 0;
+  std::string etag;
+};
+
+struct ListPage {
+  std::vector<std::pair<std::string, uint64_t>> objects;  // full key, size
+  std::vector<std::string> prefixes;                      // full prefixes ("a/b/")
+  bool truncated = false;
+  std::string next_token;
+};
+
+class S3Storage final : public Storage {
+ public:
+  S3Storage(S3Options opts, s3::Credentials creds, std::string bucket, std::string prefix)
+      : opts_(std::move(opts)),
+        creds_(std::move(creds)),
+        bucket_(std::move(bucket)),
+        prefix_(std::move(prefix)),
+        pool_(static_cast<size_t>(std::max(1, opts_.concurrency))) {
+    std::string ep = opts_.endpoint;
+    while (!ep.empty() && ep.back() == '/') ep.pop_back();
+    if (ep.empty()) {
+      // Virtual-hosted style on AWS, unless the bucket name cannot be a host.
+      if (bucket_.find('.') == std::string::npos) {
+        base_url_ = "https://" + bucket_ + ".s3." + opts_.region + ".amazonaws.com";
+        path_style_ = false;
+      } else {
+        base_url_ = "https://s3." + opts_.region + ".amazonaws.com";
+      }
+    } else {
+      base_url_ = ep;
+    }
+    size_t scheme = base_url_.find("://");
+    size_t host_start = scheme == std::string::npos ? 0 : scheme + 3;
+    size_t path_start = base_url_.find('/', host_start);
+    host_ = base_url_.substr(
+        host_start, path_start == std::string::npos ? std::string::npos : path_start - host_start);
+    base_path_ = path_start == std::string::npos ? "" : base_url_.substr(path_start);
+    base_url_ = base_url_.substr(0, path_start);
+  }
+
+  // ---- requests ----
+
+  Outcome Execute(const Call& c, const std::string& what) {
+    std::string payload_hash =
+        c.body_len <= kSignedBodyLimit || opts_.sign_payload
+            ? (c.body_len ? s3::Sha256Hex(c.body, c.body_len) : std::string(s3::kEmptySha256))
+            : std::string(s3::kUnsignedPayload);
+    std::string uri = base_path_;
+    if (path_style_) uri += "/" + s3::UriEncode(bucket_, true);
+    if (!c.key.empty() || !path_style_) uri += "/" + s3::UriEncode(c.key, false);
+    std::string query = s3::CanonicalQuery(c.query);
+    std::string url = base_url_ + uri + (query.empty() ? "" : "?" + query);
+
+    const Clock::time_point start = Clock::now();
+    const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(opts_.retry_deadline_s));
+    thread_local std::mt19937_64 rng{std::random_device{}()};
+    Outcome out;
+    for (int attempt = 1;; ++attempt) {
+      HttpRequest req;
+      req.method = c.method;
+      req.url = url;
+      req.body = c.body;
+      req.body_len = c.body_len;
+      req.dest = c.dest;
+      req.dest_len = c.dest_len;
+      Params hs = c.headers;
+      const std::string date = s3::AmzDateNow();
+      hs.emplace_back("host", host_);
+      hs.emplace_back("x-amz-date", date);
+      hs.emplace_back("x-amz-content-sha256", payload_hash);
+      if (!creds_.session_token.empty()) {
+        hs.emplace_back("x-amz-security-token", creds_.session_token);
+      }
+      s3::SignRequest sr{c.method, uri, query, hs, payload_hash, date, opts_.region};
+      req.headers = hs;
+      req.headers.emplace_back("authorization", s3::Authorization(creds_, sr));
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      req.total_timeout_ms = std::max<long>(1, static_cast<long>(left.count()));
+      req.connect_timeout_ms = static_cast<long>(opts_.connect_timeout_s * 1000);
+      req.stall_timeout_ms = static_cast<long>(opts_.stall_timeout_s * 1000);
+      out.resp = http_.Perform(req);
+      out.status = S3Status(out.resp, what);
+      if (out.status.code() != StatusCode::kUnavailable) return out;
+      double cap =
+          std::min(opts_.max_backoff_s,
+                   opts_.initial_backoff_s * static_cast<double>(1ull << std::min(attempt, 30)));
+      double sleep_s = std::uniform_real_distribution<double>(0, cap)(rng);
+      auto wake = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                     std::chrono::duration<double>(sleep_s));
+      if (attempt >= opts_.max_attempts || wake >= deadline) {
+        double spent = std::chrono::duration<double>(Clock::now() - start).count();
+        char buf[96];
+        std::snprintf(buf, sizeof buf, " (gave up after %d attempt%s in %.1f s)", attempt,
+                      attempt == 1 ? "" : "s", spent);
+        out.status = Status(out.status.code(), out.status.message() + buf);
+        return out;
+      }
+      std::this_thread::sleep_until(wake);
+    }
+  }
+
+  std::string Full(std::string_view key) const {
+    if (prefix_.empty()) return std::string(key);
+    if (key.empty()) return prefix_;
+    return prefix_ + "/" + std::string(key);
+  }
+  // The listing prefix of directory `dir` ("" = the root).
+  std::string DirPrefix(std::string_view dir) const {
+    std::string f = Full(dir);
+    return f.empty() ? f : f + "/";
+  }
+  std::string Uri(std::string_view key) const {
+    std::string s = "s3://" + bucket_;
+    std::string f = Full(key);
+    return f.empty() ? s : s + "/" + f;
+  }
+
+  Result<std::optional<ObjectInfo>> Head(const std::string& full) {
+    Call c("HEAD", full);
+    Outcome o = Execute(c, "looking up " + FullUri(full));
+    if (o.resp.status == 404) return std::optional<ObjectInfo>();
+    if (!o.status.ok()) return o.status;
+    ObjectInfo info;
+    info.size = std::strtoull(o.resp.headers["content-length"].c_str(), nullptr, 10);
+    info.etag = o.resp.headers["etag"];
+    return std::optional<ObjectInfo>(info);
+  }
+
+  std::string FullUri(const std::string& full) const { return "s3://" + bucket_ + "/" + full; }
+
+  Status List(const std::string& prefix, const std::string& delimiter, const std::string& token,
+              int max_keys, ListPage* page) {
+    Call c("GET", "");
+    c.query = {{"list-type", "2"}, {"prefix", prefix}};
+    if (!delimiter.empty()) c.query.emplace_back("delimiter", delimiter);
+    if (!token.empty()) c.query.emplace_back("continuation-token", token);
+    if (max_keys > 0) c.query.emplace_back("max-keys", std::to_string(max_keys));
+    Outcome o = Execute(c, "listing " + FullUri(prefix));
+    CAIRN_RETURN_IF_ERROR(o.status);
+    pugi::xml_document doc;
+    pugi::xml_node r;
+    if (!doc.load_buffer(o.resp.body.data(), o.resp.body.size()) ||
+        !(r = doc.child("ListBucketResult"))) {
+      return UnavailableError("listing " + FullUri(prefix) + ": malformed ListObjectsV2 response");
+    }
+    for (pugi::xml_node n : r.children("Contents")) {
+      page->objects.emplace_back(n.child_value("Key"),
+                                 std::strtoull(n.child_value("Size"), nullptr, 10));
+    }
+    for (pugi::xml_node n : r.children("CommonPrefixes")) {
+      page->prefixes.emplace_back(n.child_value("Prefix"));
+    }
+    page->truncated = std::string_view(r.child_value("IsTruncated")) == "true";
+    page->next_token = r.child_value("NextContinuationToken");
+    if (page->truncated && page->next_token.empty()) {
+      return UnavailableError("listing " + FullUri(prefix) + ": truncated without a token");
+    }
+    return Status::OK();
+  }
+
+  // Every object below `prefix` (all pages).
+  Result<std::vector<std::pair<std::string, uint64_t>>> ListAll(const std::string& prefix) {
+    ListPage page;
+    std::string token;
+    do {
+      page.truncated = false;
+      CAIRN_RETURN_IF_ERROR(List(prefix, "", token, 0, &page));
+      token = page.next_token;
+    } while (page.truncated);
+    return std::move(page.objects);
+  }
+
+  // Whether anything (an object or a marker) lies below `prefix`.
+  Result<bool> AnyBelow(const std::string& prefix) {
+    ListPage page;
+    CAIRN_RETURN_IF_ERROR(List(prefix, "", "", 1, &page));
+    return !page.objects.empty() || !page.prefixes.empty();
+  }
+
+  Status PutObject(const std::string& full, const char* data, size_t n, bool if_absent) {
+    Call c("PUT", full);
+    c.body = data;
+    c.body_len = n;
+    if (if_absent) c.headers.emplace_back("if-none-match", "*");
+    Outcome o = Execute(c, "writing " + FullUri(full));
+    if (o.resp.status == 412 && if_absent) {
+      return AlreadyExistsError(FullUri(full) + " already exists (written by another writer?)");
+    }
+    return o.status;
+  }
+
+  Status DeleteObject(const std::string& full, const std::string& upload_id = {}) {
+    Call c("DELETE", full);
+    if (!upload_id.empty()) c.query = {{"uploadId", upload_id}};
+    Outcome o =
+        Execute(c, (upload_id.empty() ? "deleting " : "aborting the upload of ") + FullUri(full));
+    if (!upload_id.empty() && o.resp.status == 404) return Status::OK();  // already gone
+    return o.status;
+  }
+
+  Status DeleteObjects(const std::vector<std::string>& keys) {
+    for (size_t i = 0; i < keys.size(); i += 1000) {
+      std::string body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Delete><Quiet>true</Quiet>";
+      for (size_t j = i; j < std::min(keys.size(), i + 1000); ++j) {
+        body += "<Object><Key>" + XmlEscape(keys[j]) + "</Key></Object>";
+      }
+      body += "</Delete>";
+      Call c("POST", "");
+      c.query = {{"delete", ""}};
+      c.headers = {{"content-md5", s3::Md5Base64(body.data(), body.size())},
+                   {"content-type", "application/xml"}};
+      c.body = body.data();
+      c.body_len = body.size();
+      Outcome o = Execute(c, "deleting objects below " + Uri(""));
+      CAIRN_RETURN_IF_ERROR(o.status);
+      if (o.resp.body.find("<Error>") != std::string::npos) {
+        pugi::xml_document doc;
+        doc.load_buffer(o.resp.body.data(), o.resp.body.size());
+        pugi::xml_node e = doc.child("DeleteResult").child("Error");
+        return IOError("deleting " + FullUri(e.child_value("Key")) + ": " + e.child_value("Code") +
+                       ": " + e.child_value("Message"));
+      }
+    }
+    return Status::OK();
+  }
+
+  Status CopyObject(const std::string& from, const std::string& to, uint64_t size) {
+    if (size > kMaxCopySize) {
+      return UnimplementedError("renaming " + FullUri(from) +
+                                ": objects over 5 GiB cannot be copied");
+    }
+    Call c("PUT", to);
+    c.headers = {{"x-amz-copy-source", "/" + bucket_ + "/" + s3::UriEncode(from, false)}};
+    return Execute(c, "copying " + FullUri(from) + " to " + FullUri(to)).status;
+  }
+
+  // Fails unless `key` may become a file: not a directory, no parent a file.
+  Status CheckCreatable(std::string_view key) {
+    CAIRN_ASSIGN_OR_RETURN(bool is_dir, AnyBelow(DirPrefix(key)));
+    if (is_dir) return FailedPreconditionError(Uri(key) + " is a directory");
+    for (size_t slash = key.find('/'); slash != std::string_view::npos;
+         slash = key.find('/', slash + 1)) {
+      CAIRN_ASSIGN_OR_RETURN(auto parent, Head(Full(key.substr(0, slash))));
+      if (parent) {
+        return FailedPreconditionError("cannot create " + Uri(key) + ": " +
+                                       Uri(key.substr(0, slash)) + " is a file");
+      }
+    }
+    return Status::OK();
+  }
+
+  // ---- Storage ----
+
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(std::string_view key,
+                                                        const WriteOptions& opts) override;
+  Result<std::unique_ptr<ReadableFile>> NewReadableFile(std::string_view key,
+                                                        const ReadOptions& opts) override;
+
+  Status Rename(std::string_view from, std::string_view to) override {
+    CAIRN_RETURN_IF_ERROR(ValidateKey(from));
+    CAIRN_RETURN_IF_ERROR(ValidateKey(to));
+    const std::string src = Full(from), dst = Full(to);
+    CAIRN_ASSIGN_OR_RETURN(auto info, Head(src));
+    if (info) {
+      CAIRN_RETURN_IF_ERROR(CheckCreatable(to));
+      CAIRN_RETURN_IF_ERROR(CopyObject(src, dst, info->size));
+      return DeleteObject(src);
+    }
+    const std::string sp = DirPrefix(from), dp = DirPrefix(to);
+    CAIRN_ASSIGN_OR_RETURN(auto objects, ListAll(sp));
+    if (objects.empty())
+      return NotFoundError("renaming " + Uri(from) + ": no such file or directory");
+    TaskGroup group(&pool_);
+    for (const auto& [k, size] : objects) {
+      std::string target = dp + k.substr(sp.size());
+      uint64_t sz = size;
+      group.Run([this, k = k, target, sz] { return CopyObject(k, target, sz); });
+    }
+    CAIRN_RETURN_IF_ERROR(group.Wait());
+    std::vector<std::string> keys;
+    for (const auto& o : objects) keys.push_back(o.first);
+    return DeleteObjects(keys);
+  }
+
+  Status SyncDir(std::string_view dir) override {
+    CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
+    if (dir.empty()) return Status::OK();
+    CAIRN_ASSIGN_OR_RETURN(bool any, AnyBelow(DirPrefix(dir)));
+    return any ? Status::OK() : NotFoundError(Uri(dir) + ": no such directory");
+  }
+
+  Status CreateDir(std::string_view dir) override {
+    CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
+    if (dir.empty()) return Status::OK();
+    CAIRN_ASSIGN_OR_RETURN(auto file, Head(Full(dir)));
+    if (file) return FailedPreconditionError("cannot create directory " + Uri(dir) + ": a file");
+    std::string marker = DirPrefix(dir);
+    return PutObject(marker, "", 0, false);
+  }
+
+  Status DeleteFile(std::string_view key) override {
+    CAIRN_RETURN_IF_ERROR(ValidateKey(key));
+    CAIRN_ASSIGN_OR_RETURN(auto info, Head(Full(key)));
+    if (!info) return NotFoundError("deleting " + Uri(key) + ": no such file");
+    return DeleteObject(Full(key));
+  }
+
+  Status DeleteDir(std::string_view dir) override {
+    CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
+    CAIRN_ASSIGN_OR_RETURN(auto objects, ListAll(DirPrefix(dir)));
+    std::vector<std::string> keys;
+    for (const auto& o : objects) keys.push_back(o.first);
+    return DeleteObjects(keys).WithContext("deleting " + Uri(dir));
+  }
+
+  Result<std::vector<DirEntry>> List(std::string_view dir) override {
+    CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
+    const std::string prefix = DirPrefix(dir);
+    std::vector<DirEntry> out;
+    bool found = false;
+    std::string token;
+    ListPage page;
+    do {
+      page = ListPage();
+      CAIRN_RETURN_IF_ERROR(List(prefix, "/", token, 0, &page));
+      token = page.next_token;
+      found = found || !page.objects.empty() || !page.prefixes.empty();
+      for (const auto& [k, size] : page.objects) {
+        if (k.size() == prefix.size()) continue;  // the directory's own marker
+        out.push_back({k.substr(prefix.size()), false, size});
+      }
+      for (const auto& p : page.prefixes) {
+        std::string name = p.substr(prefix.size());
+        if (!name.empty() && name.back() == '/') name.pop_back();
+        if (!name.empty()) out.push_back({name, true, 0});
+      }
+    } while (page.truncated);
+    if (!found && !dir.empty()) return NotFoundError(Uri(dir) + ": no such directory");
+    std::sort(out.begin(), out.end(),
+              [](const DirEntry& a, const DirEntry& b) { return a.name < b.name; });
+    return out;
+  }
+
+  Result<bool> Exists(std::string_view key) override {
+    CAIRN_RETURN_IF_ERROR(ValidateKey(key, true));
+    if (key.empty()) return true;
+    CAIRN_ASSIGN_OR_RETURN(auto info, Head(Full(key)));
+    if (info) return true;
+    return AnyBelow(DirPrefix(key));
+  }
+
+  Result<uint64_t> FileSize(std::string_view key) override {
+    CAIRN_RETURN_IF_ERROR(ValidateKey(key));
+    CAIRN_ASSIGN_OR_RETURN(auto info, Head(Full(key)));
+    if (!info) return NotFoundError(Uri(key) + ": no such file");
+    return info->size;
+  }
+
+  Status PutAtomic(std::string_view key, std::string_view data, bool if_absent) override {
+    CAIRN_RETURN_IF_ERROR(ValidateKey(key));
+    return PutObject(Full(key), data.data(), data.size(), if_absent);
+  }
+
+  Status AbortStaleUploads(std::string_view dir, double older_than_s, size_t* aborted) override {
+    CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
+    if (aborted) *aborted = 0;
+    const std::string prefix = DirPrefix(dir);
+    const std::time_t cutoff = std::time(nullptr) - static_cast<std::time_t>(older_than_s);
+    std::string key_marker, id_marker;
+    for (;;) {
+      Call c("GET", "");
+      c.query = {{"uploads", ""}, {"prefix", prefix}};
+      if (!key_marker.empty()) c.query.emplace_back("key-marker", key_marker);
+      if (!id_marker.empty()) c.query.emplace_back("upload-id-marker", id_marker);
+      Outcome o = Execute(c, "listing uploads below " + Uri(dir));
+      CAIRN_RETURN_IF_ERROR(o.status);
+      pugi::xml_document doc;
+      pugi::xml_node r;
+      if (!doc.load_buffer(o.resp.body.data(), o.resp.body.size()) ||
+          !(r = doc.child("ListMultipartUploadsResult"))) {
+        return UnavailableError("listing uploads below " + Uri(dir) + ": malformed response");
+      }
+      for (pugi::xml_node u : r.children("Upload")) {
+        std::tm tm{};
+        const char* initiated = u.child_value("Initiated");
+        if (!strptime(initiated, "%Y-%m-%dT%H:%M:%S", &tm)) continue;
+        if (timegm(&tm) > cutoff) continue;
+        CAIRN_RETURN_IF_ERROR(DeleteObject(u.child_value("Key"), u.child_value("UploadId")));
+        if (aborted) ++*aborted;
+      }
+      if (std::string_view(r.child_value("IsTruncated")) != "true") return Status::OK();
+      key_marker = r.child_value("NextKeyMarker");
+      id_marker = r.child_value("NextUploadIdMarker");
+      if (key_marker.empty()) return Status::OK();
+    }
+  }
+
+  std::string Describe() const override { return Uri(""); }
+
+  const S3Options& options() const { return opts_; }
+  ThreadPool* pool() { return &pool_; }
+
+ private:
+  const S3Options opts_;
+  const s3::Credentials creds_;
+  const std::string bucket_, prefix_;
+  std::string base_url_, host_, base_path_;
+  bool path_style_ = true;
+  s3::HttpClient http_;
+  ThreadPool pool_;
+};
+
+// ---- files -----------------------------------------------------------------------
+
+class S3WritableFile final : public WritableFile {
+ public:
+  S3WritableFile(S3Storage* s, std::string full, std::string uri)
+      : s_(s), full_(std::move(full)), uri_(std::move(uri)), part_size_(s->options().part_size) {}
+  ~S3WritableFile() override {
+    if (!finished_) AbortUpload();
+  }
+
+  Status WriteAt(uint64_t offset, const void* data, size_t n) override {
+    return Fill(offset, static_cast<const char*>(data), n);
+  }
+  Status Hole(uint64_t offset, uint64_t n) override { return Fill(offset, nullptr, n); }
+
+  Status Allocate(uint64_t size) override {
+    std::lock_guard<std::mutex> l(mu_);
+    if (closed_ || finished_) return FailedPreconditionError(uri_ + ": file is closed");
+    allocated_ = std::max(allocated_, size);
+    // Stay within S3's 10000 parts while nothing is buffered yet.
+    if (parts_.empty() && size > kMaxParts * part_size_) {
+      part_size_ = ((size + kMaxParts - 1) / kMaxParts + (1 << 20) - 1) / (1 << 20) * (1 << 20);
+    }
+    return Status::OK();
+  }
+
+  Status Sync() override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (closed_) return FailedPreconditionError(uri_ + ": sync after close");
+      if (finished_) return error_;
+    }
+    return Finish();
+  }
+
+  Status Close() override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (closed_) return Status::OK();
+      closed_ = true;
+      if (finished_) return Status::OK();
+    }
+    return Finish();
+  }
+
+  Status Abort() override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      closed_ = true;
+      if (finished_) return Status::OK();
+      finished_ = true;
+    }
+    AbortUpload();
+    return Status::OK();
+  }
+
+ private:
+  struct Part {
+    char* buf = nullptr;  // part_size_ bytes, zero-filled; freed once sent
+    uint64_t covered = 0;
+    bool sent = false;  // uploading or uploaded: no more writes
+    std::string etag;
+    ~Part() { std::free(buf); }
+  };
+
+  Status Fail(Status s) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (error_.ok()) error_ = s;
+    return s;
+  }
+
+  Status Fill(uint64_t offset, const char* src, uint64_t n) {
+    while (n > 0) {
+      uint64_t idx, in, len;
+      Part* part;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        if (closed_ || finished_) return FailedPreconditionError(uri_ + ": write after close");
+        if (!error_.ok()) return error_;
+        idx = offset / part_size_;
+        in = offset % part_size_;
+        len = std::min(n, part_size_ - in);
+        if (idx >= kMaxParts) {
+          return ResourceExhaustedError(uri_ + ": larger than 10000 parts of " +
+                                        std::to_string(part_size_) + " bytes");
+        }
+        part = &parts_[idx];
+        if (part->sent) {
+          return FailedPreconditionError(uri_ + ": write into part " + std::to_string(idx + 1) +
+                                         ", already uploaded (bytes written twice?)");
+        }
+        if (!part->buf) part->buf = static_cast<char*>(std::calloc(1, part_size_));
+        if (!part->buf) return ResourceExhaustedError(uri_ + ": cannot allocate a part buffer");
+        end_ = std::max(end_, offset + len);
+      }
+      // Disjoint ranges: copy outside the lock; the count below orders it.
+      if (src) std::memcpy(part->buf + in, src, len);
+      bool full = false;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        part->covered += len;
+        if (part->covered > part_size_) {
+          return Fail(FailedPreconditionError(uri_ + ": bytes of part " + std::to_string(idx + 1) +
+                                              " written twice"));
+        }
+        if (part->covered == part_size_) full = part->sent = true;
+      }
+      if (full) {
+        Status s = SendPart(idx, part, part_size_);
+        if (!s.ok()) return Fail(s);
+      }
+      offset += len;
+      if (src) src += len;
+      n -= len;
+    }
+    return Status::OK();
+  }
+
+  Status EnsureUpload() {
+    std::lock_guard<std::mutex> l(upload_mu_);
+    if (!upload_id_.empty()) return Status::OK();
+    Call c("POST", full_);
+    c.query = {{"uploads", ""}};
+    Outcome o = s_->Execute(c, "starting the upload of " + uri_);
+    CAIRN_RETURN_IF_ERROR(o.status);
+    pugi::xml_document doc;
+    doc.load_buffer(o.resp.body.data(), o.resp.body.size());
+    upload_id_ = doc.child("InitiateMultipartUploadResult").child_value("UploadId");
+    if (upload_id_.empty())
+      return UnavailableError("starting the upload of " + uri_ + ": no UploadId");
+    return Status::OK();
+  }
+
+  std::string UploadId() {
+    std::lock_guard<std::mutex> l(upload_mu_);
+    return upload_id_;
+  }
+
+  Status SendPart(uint64_t idx, Part* part, uint64_t len) {
+    CAIRN_RETURN_IF_ERROR(EnsureUpload());
+    Call c("PUT", full_);
+    c.query = {{"partNumber", std::to_string(idx + 1)}, {"uploadId", UploadId()}};
+    c.body = part->buf;
+    c.body_len = len;
+    Outcome o = s_->Execute(c, "uploading part " + std::to_string(idx + 1) + " of " + uri_);
+    CAIRN_RETURN_IF_ERROR(o.status);
+    std::string etag = o.resp.headers["etag"];
+    if (etag.empty()) return UnavailableError("uploading part of " + uri_ + ": no ETag");
+    std::lock_guard<std::mutex> l(mu_);
+    part->etag = std::move(etag);
+    std::free(part->buf);
+    part->buf = nullptr;
+    return Status::OK();
+  }
+
+  void AbortUpload() {
+    std::string id = UploadId();
+    if (!id.empty()) s_->DeleteObject(full_, id).IgnoreError();
+  }
+
+  // Publishes the object (steps 3-4 of the protocol at the top).
+  Status Finish() {
+    Status s = [&]() -> Status {
+      uint64_t total;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        CAIRN_RETURN_IF_ERROR(error_);
+        total = std::max(allocated_, end_);
+      }
+      if (UploadId().empty() && total <= part_size_) {
+        auto it = parts_.find(0);
+        const char* data = it != parts_.end() ? it->second.buf : nullptr;
+        return s_->PutObject(full_, total ? data : "", total, false);
+      }
+      CAIRN_RETURN_IF_ERROR(EnsureUpload());
+      const uint64_t nparts = (total + part_size_ - 1) / part_size_;
+      {
+        TaskGroup group(s_->pool());
+        for (uint64_t i = 0; i < nparts; ++i) {
+          Part* p = &parts_[i];
+          if (p->sent) continue;
+          p->sent = true;
+          if (!p->buf) p->buf = static_cast<char*>(std::calloc(1, part_size_));
+          if (!p->buf) return ResourceExhaustedError(uri_ + ": cannot allocate a part buffer");
+          uint64_t len = std::min(part_size_, total - i * part_size_);
+          group.Run([this, i, p, len] { return SendPart(i, p, len); });
+        }
+        CAIRN_RETURN_IF_ERROR(group.Wait());
+      }
+      std::string body = "<CompleteMultipartUpload>";
+      for (uint64_t i = 0; i < nparts; ++i) {
+        body += "<Part><PartNumber>" + std::to_string(i + 1) + "</PartNumber><ETag>" +
+                XmlEscape(parts_[i].etag) + "</ETag></Part>";
+      }
+      body += "</CompleteMultipartUpload>";
+      Call c("POST", full_);
+      c.query = {{"uploadId", UploadId()}};
+      c.headers = {{"content-type", "application/xml"}};
+      c.body = body.data();
+      c.body_len = body.size();
+      return s_->Execute(c, "completing the upload of " + uri_).status;
+    }();
+    bool abort = false;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      finished_ = true;
+      if (!s.ok() && error_.ok()) error_ = s;
+      abort = !s.ok();
+      parts_.clear();
+    }
+    if (abort) AbortUpload();
+    return s;
+  }
+
+  S3Storage* const s_;
+  const std::string full_, uri_;
+  uint64_t part_size_;
+  std::mutex mu_;
+  std::map<uint64_t, Part> parts_;  // node-based: Part* stay valid
+  uint64_t allocated_ = 0, end_ = 0;
+  bool closed_ = false, finished_ = false;
+  Status error_;
+  std::mutex upload_mu_;
+  std::string upload_id_;
+};
+
+class S3ReadableFile final : public ReadableFile {
+ public:
+  S3ReadableFile(S3Storage* s, std::string full, std::string uri, uint64_t size, std::string etag,
+                 std::string head)
+      : s_(s),
+        full_(std::move(full)),
+        uri_(std::move(uri)),
+        size_(size),
+        etag_(std::move(etag)),
+        head_(std::move(head)) {}
+
+  Status ReadAt(uint64_t offset, void* buf, size_t n) const override {
+    if (offset > size_ || n > size_ - offset) {
+      return OutOfRangeError(uri_ + ": read of " + std::to_string(n) + " bytes at " +
+                             std::to_string(offset) + " past the end (" + std::to_string(size_) +
+                             " bytes)");
+    }
+    char* out = static_cast<char*>(buf);
+    if (offset < head_.size()) {
+      size_t k = std::min<uint64_t>(n, head_.size() - offset);
+      std::memcpy(out, head_.data() + offset, k);
+      out += k;
+      offset += k;
+      n -= k;
+    }
+    if (n == 0) return Status::OK();
+    const uint64_t range = s_->options().part_size;
+    if (n <= 2 * range) return Get(offset, out, n);
+    TaskGroup group(s_->pool());
+    for (uint64_t done = 0; done < n; done += range) {
+      uint64_t len = std::min<uint64_t>(range, n - done);
+      group.Run([this, offset, out, done, len] { return Get(offset + done, out + done, len); });
+    }
+    return group.Wait();
+  }
+
+  uint64_t Size() const override { return size_; }
+
+ private:
+  Status Get(uint64_t offset, char* out, uint64_t n) const {
+    Call c("GET", full_);
+    c.headers = {
+        {"range", "bytes=" + std::to_string(offset) + "-" + std::to_string(offset + n - 1)}};
+    if (!etag_.empty()) c.headers.emplace_back("if-match", etag_);
+    c.dest = out;
+    c.dest_len = n;
+    Outcome o = s_->Execute(c, "reading " + uri_);
+    if (o.resp.status == 412) {
+      return FailedPreconditionError(uri_ + ": replaced while it was being read");
+    }
+    CAIRN_RETURN_IF_ERROR(o.status);
+    if (o.resp.dest_written != n) {
+      return UnavailableError("reading " + uri_ + ": short response (" +
+                              std::to_string(o.resp.dest_written) + " of " + std::to_string(n) +
+                              " bytes)");
+    }
+    return Status::OK();
+  }
+
+  S3Storage* const s_;
+  const std::string full_, uri_;
+  const uint64_t size_;
+  const std::string etag_, head_;
+};
+
+Result<std::unique_ptr<WritableFile>> S3Storage::NewWritableFile(std::string_view key,
+                                                                 const WriteOptions&) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
+  CAIRN_RETURN_IF_ERROR(CheckCreatable(key));
+  return std::unique_ptr<WritableFile>(new S3WritableFile(this, Full(key), Uri(key)));
+}
+
+Result<std::unique_ptr<ReadableFile>> S3Storage::NewReadableFile(std::string_view key,
+                                                                 const ReadOptions&) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
+  const std::string full = Full(key), uri = Uri(key);
+  // One ranged GET returns the size, the ETag and the first bytes.
+  std::string head(std::max<uint64_t>(1, opts_.prefetch_bytes), '\0');
+  Call c("GET", full);
+  c.headers = {{"range", "bytes=0-" + std::to_string(head.size() - 1)}};
+  c.dest = head.data();
+  c.dest_len = head.size();
+  Outcome o = Execute(c, "opening " + uri);
+  if (o.resp.status == 404) return NotFoundError(uri + ": no such file");
+  uint64_t size = 0;
+  if (o.resp.status == 416) {
+    // An empty object has no byte 0.
+    CAIRN_ASSIGN_OR_RETURN(auto info, Head(full));
+    if (!info) return NotFoundError(uri + ": no such file");
+    if (info->size != 0) return UnavailableError("opening " + uri + ": changed while opened");
+    return std::unique_ptr<ReadableFile>(new S3ReadableFile(this, full, uri, 0, info->etag, ""));
+  }
+  CAIRN_RETURN_IF_ERROR(o.status);
+  if (o.resp.status == 206) {
+    const std::string& cr = o.resp.headers["content-range"];  // "bytes 0-N/TOTAL"
+    size_t slash = cr.rfind('/');
+    if (slash == std::string::npos)
+      return UnavailableError("opening " + uri + ": no Content-Range");
+    size = std::strtoull(cr.c_str() + slash + 1, nullptr, 10);
+  } else {
+    size = o.resp.dest_written;  // 200: the whole object
+  }
+  head.resize(std::min<uint64_t>(o.resp.dest_written, size));
+  return std::unique_ptr<ReadableFile>(
+      new S3ReadableFile(this, full, uri, size, o.resp.headers["etag"], std::move(head)));
+}
+
+double EnvDouble(const char* name, double dflt) {
+  std::string v = Env(name);
+  if (v.empty()) return dflt;
+  char* end = nullptr;
+  double d = std::strtod(v.c_str(), &end);
+  return end && *end == '\0' ? d : dflt;
+}
+
+}  // namespace
+
+S3Options S3OptionsFromEnvironment() {
+  S3Options o;
+  o.endpoint = Env("AWS_ENDPOINT_URL_S3");
+  if (o.endpoint.empty()) o.endpoint = Env("AWS_ENDPOINT_URL");
+  o.region = Env("AWS_REGION");
+  if (o.region.empty()) o.region = Env("AWS_DEFAULT_REGION");
+  if (o.region.empty()) o.region = "us-east-1";
+  o.part_size = static_cast<uint64_t>(EnvDouble("CAIRN_S3_PART_SIZE", o.part_size));
+  o.concurrency = static_cast<int>(EnvDouble("CAIRN_S3_CONCURRENCY", o.concurrency));
+  o.prefetch_bytes = static_cast<uint64_t>(EnvDouble("CAIRN_S3_PREFETCH", o.prefetch_bytes));
+  o.max_attempts = static_cast<int>(EnvDouble("CAIRN_S3_MAX_ATTEMPTS", o.max_attempts));
+  o.retry_deadline_s = EnvDouble("CAIRN_S3_RETRY_DEADLINE_S", o.retry_deadline_s);
+  o.connect_timeout_s = EnvDouble("CAIRN_S3_CONNECT_TIMEOUT_S", o.connect_timeout_s);
+  o.stall_timeout_s = EnvDouble("CAIRN_S3_STALL_TIMEOUT_S", o.stall_timeout_s);
+  o.sign_payload = Env("CAIRN_S3_SIGN_PAYLOAD") == "1";
+  return o;
+}
+
+Result<std::unique_ptr<Storage>> NewS3Storage(std::string_view uri, const S3Options& opts,
+                                              bool create) {
+  constexpr std::string_view kScheme = "s3://";
+  if (uri.substr(0, kScheme.size()) != kScheme) {
+    return InvalidArgumentError("not an s3:// URI: " + std::string(uri));
+  }
+  std::string_view rest = uri.substr(kScheme.size());
+  size_t slash = rest.find('/');
+  std::string bucket(rest.substr(0, slash));
+  std::string_view prefix = slash == std::string_view::npos ? "" : rest.substr(slash + 1);
+  while (!prefix.empty() && prefix.back() == '/') prefix.remove_suffix(1);
+  if (bucket.empty() || bucket.size() > 63 ||
+      bucket.find_first_not_of(
+          "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_") !=
+          std::string::npos) {
+    return InvalidArgumentError("invalid S3 bucket name in " + std::string(uri));
+  }
+  CAIRN_RETURN_IF_ERROR(ValidateKey(prefix, true).WithContext(std::string(uri)));
+  if (opts.part_size < kMinPartSize) {
+    return InvalidArgumentError("S3 part size " + std::to_string(opts.part_size) +
+                                " is below S3's minimum of 5 MiB");
+  }
+  if (opts.max_attempts < 1) return InvalidArgumentError("S3 max_attempts must be >= 1");
+  s3::Credentials creds = CredentialsFromEnvironment();
+  if (creds.access_key_id.empty() || creds.secret_access_key.empty()) {
+    return FailedPreconditionError(
+        "opening " + std::string(uri) +
+        ": no AWS credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a profile in "
+        "~/.aws/credentials)");
+  }
+  auto s = std::make_unique<S3Storage>(opts, std::move(creds), bucket, std::string(prefix));
+  auto any = s->AnyBelow(s->DirPrefix(""));
+  if (!any.ok()) return any.status().WithContext("opening " + s->Describe());
+  if (!create && !*any && !prefix.empty()) {
+    return NotFoundError("no such S3 prefix: " + s->Describe());
+  }
+  return std::unique_ptr<Storage>(std::move(s));
+}
+
+}  // namespace cairn
