@@ -95,29 +95,36 @@ TRAIN = textwrap.dedent(
     """
     import json, os, sys, time
     import cairn.data as cd
-    src, cache, log, epochs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+
     def ident(b):
         return b
-    ds = cd.CachedFileDataset(src, cache_dir=cache, shuffle=True, seed=11)
-    dl = cd.DataLoader(ds, batch_size=2, num_workers=2, collate_fn=ident)
-    state = None
-    if os.path.exists(log):
-        for line in open(log):
-            try:
-                state = json.loads(line)["state"]
-            except ValueError:
-                pass  # a line cut by the kill
-    if state is not None:
-        dl.load_state_dict(state)
-    with open(log, "a") as f:
-        for epoch in range(dl.epoch, epochs):
-            dl.set_epoch(epoch)
-            for batch in dl:
-                names = ["/".join(p.split("/")[-2:]) for p in batch]
-                f.write(json.dumps({"batch": names, "state": dl.state_dict()}) + "\\n")
-                f.flush()
-                os.fsync(f.fileno())
-                time.sleep(0.03)  # the training step
+
+    def main():
+        src, cache, log, epochs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+        ds = cd.CachedFileDataset(src, cache_dir=cache, shuffle=True, seed=11)
+        # Default start method (forkserver): the script guards its main, as it must.
+        dl = cd.DataLoader(ds, batch_size=2, num_workers=2, collate_fn=ident)
+        state = None
+        if os.path.exists(log):
+            for line in open(log):
+                try:
+                    state = json.loads(line)["state"]
+                except ValueError:
+                    pass  # a line cut by the kill
+        if state is not None:
+            dl.load_state_dict(state)
+        with open(log, "a") as f:
+            for epoch in range(dl.epoch, epochs):
+                dl.set_epoch(epoch)
+                for batch in dl:
+                    names = ["/".join(p.split("/")[-2:]) for p in batch]
+                    f.write(json.dumps({"batch": names, "state": dl.state_dict()}) + "\\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                    time.sleep(0.03)  # the training step
+
+    if __name__ == "__main__":
+        main()
     """
 )
 
