@@ -9,6 +9,7 @@
 
 #include "cairn/memory_tier.h"
 #include "common.h"
+#include "storage/shm/mapped_file.h"
 
 namespace nb = nanobind;
 
@@ -73,6 +74,8 @@ struct PyLease {
 
 void RegisterTier(nb::module_& m) {
   m.attr("DEFAULT_ORPHAN_GRACE_S") = kDefaultOrphanGraceSeconds;
+  // Slot files grow in steps of this many bytes (the budget counts whole steps).
+  m.attr("SLOT_GROW_ALIGN") = internal::MappedShmFile::kGrowAlign;
   m.def(
       "list_memory_tiers",
       [](const std::string& shm_root, double grace, double now) {

@@ -139,6 +139,23 @@ def _batches(log):
     return out
 
 
+def _kill_trainer(proc):
+    """SIGKILLs the trainer alone (its workers, forkserver and resource tracker exit
+    by themselves, and the tracker unlinks the named semaphores of the dead run),
+    then waits for its process group to be empty."""
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError("the trainer's workers outlived it by 10 s")
+
+
 def _kill_resume_setup(tmp_path):
     """Writes the TRAIN script and a slow 22-file source, runs it once
     uninterrupted; returns (tmp, src, script, env, the reference batches)."""
@@ -165,8 +182,7 @@ def test_kill_9_mid_epoch_and_resume_gives_the_same_sequence(tmp_path):
     deadline = time.time() + 90
     while time.time() < deadline and (not os.path.exists(log) or len(_batches(log)) < 5):
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its workers
-    proc.wait()
+    _kill_trainer(proc)
     killed_at = len(_batches(log))
     assert 5 <= killed_at < 22
     subprocess.run([sys.executable, script, src, f"{tmp}/cache", log, "2"], env=env,
@@ -260,7 +276,7 @@ def test_repeated_random_kills_always_resume_exactly(tmp_path):
                 time.sleep(0.002)
             if proc.poll() is None:
                 time.sleep(rnd.random() * 0.03)  # anywhere inside a step
-                os.killpg(proc.pid, signal.SIGKILL)
+                _kill_trainer(proc)
             proc.wait()
         subprocess.run([sys.executable, script, src, f"{tmp}/cache", log, "2"], env=env,
                        check=True, timeout=120)
