@@ -45,13 +45,20 @@ nlohmann::json ToJson(const MemoryTierInfo& t) {
                       {"state", o.state},
                       {"heartbeat", o.heartbeat}});
   }
-  return {{"name", t.name},         {"path", t.path},
-          {"kind", t.kind},         {"bytes", t.bytes},
-          {"steps", t.steps},       {"run_root", t.run_root},
-          {"run_id", t.run_id},     {"created", t.created},
-          {"last_restored", t.last_restored}, {"last_active", t.last_active},
-          {"owners", owners},       {"in_use", t.in_use},
-          {"orphaned", t.orphaned}, {"reason", t.reason}};
+  return {{"name", t.name},
+          {"path", t.path},
+          {"kind", t.kind},
+          {"bytes", t.bytes},
+          {"steps", t.steps},
+          {"run_root", t.run_root},
+          {"run_id", t.run_id},
+          {"created", t.created},
+          {"last_restored", t.last_restored},
+          {"last_active", t.last_active},
+          {"owners", owners},
+          {"in_use", t.in_use},
+          {"orphaned", t.orphaned},
+          {"reason", t.reason}};
 }
 
 MemoryTierScanOptions Scan(const MemoryCommandOptions& opts) {
@@ -95,8 +102,8 @@ int CmdGc(const MemoryCommandOptions& opts) {
   uint64_t freed = 0;
   for (const auto& t : gone) {
     freed += t.bytes;
-    std::printf("%s %s (%s, %s): %s\n", opts.dry_run ? "would remove" : "removed",
-                t.name.c_str(), t.kind.c_str(), Bytes(t.bytes).c_str(), t.reason.c_str());
+    std::printf("%s %s (%s, %s): %s\n", opts.dry_run ? "would remove" : "removed", t.name.c_str(),
+                t.kind.c_str(), Bytes(t.bytes).c_str(), t.reason.c_str());
   }
   if (!s.ok()) {
     std::fprintf(stderr, "cairn: %s\n", s.ToString().c_str());

@@ -102,7 +102,7 @@ Status ReclaimOrphanedMemoryTiers(const MemoryTierScanOptions& opts,
                                   std::vector<MemoryTierInfo>* reclaimed, bool dry_run = false);
 
 struct MemoryTierLeaseOptions {
-  std::string dir;       // the tier's directory, absolute; created if missing
+  std::string dir;  // the tier's directory, absolute; created if missing
   std::string kind = "memory";
   std::string run_root;  // the run's durable root (path or URI)
   std::string run_id;

@@ -8,7 +8,7 @@ as well, so a race still ends in an error, not a signal). With a ``memory_limit`
 the ranks all-gather (node, growth, and, from each node's leader, the tier's
 current footprint, free room and limit), and every rank reaches the same verdict
 for every node; a save that would take any node's memory tier past its limit fails
-on every rank alike, with :class:`cairn.ResourceExhaustedError`, leaving the
+on every rank alike, with :class:`cairn.errors.ResourceExhaustedError`, leaving the
 memory-tier checkpoint already in the slot intact.
 
 Reclaim. The listing and the orphan decision are in C++ (``cairn/memory_tier.h``),

@@ -245,7 +245,8 @@ class CheckpointManager:
             each node (every local rank's slots together): bytes (int), or a fraction
             of /dev/shm's size (float in (0, 1]). A save that would exceed it, or that
             needs more than /dev/shm (or the node's memory) has free, fails before it
-            changes a byte of shared memory, with cairn.ResourceExhaustedError: the
+            changes a byte of shared memory, with cairn.errors.ResourceExhaustedError (a
+            cairn.Error): the
             memory-tier checkpoint already there stays, and training can go on
             (save less often or with a smaller state, or raise the limit). Default:
             no limit beyond the free space, which is always checked.

@@ -90,8 +90,8 @@ void RegisterTier(nb::module_& m) {
         for (const auto& t : tiers) out.append(TierDict(t));
         return out;
       },
-      nb::arg("shm_root") = "", nb::arg("grace") = kDefaultOrphanGraceSeconds,
-      nb::arg("now") = 0.0, "The node's memory tiers, each a dict, with the orphan decision.");
+      nb::arg("shm_root") = "", nb::arg("grace") = kDefaultOrphanGraceSeconds, nb::arg("now") = 0.0,
+      "The node's memory tiers, each a dict, with the orphan decision.");
   m.def(
       "reclaim_memory_tiers",
       [](const std::string& shm_root, double grace, bool dry_run) {
@@ -128,8 +128,7 @@ void RegisterTier(nb::module_& m) {
       .def(
           "__init__",
           [](PyLease* self, const std::string& dir, const std::string& run_root,
-             const std::string& run_id, int64_t rank, const std::string& kind,
-             double heartbeat) {
+             const std::string& run_id, int64_t rank, const std::string& kind, double heartbeat) {
             MemoryTierLeaseOptions o;
             o.dir = dir;
             o.run_root = run_root;
@@ -144,8 +143,8 @@ void RegisterTier(nb::module_& m) {
             }
             new (self) PyLease{ValueOrThrow(std::move(r))};
           },
-          nb::arg("dir"), nb::arg("run_root") = "", nb::arg("run_id") = "",
-          nb::arg("rank") = -1, nb::arg("kind") = "memory", nb::arg("heartbeat") = 10.0)
+          nb::arg("dir"), nb::arg("run_root") = "", nb::arg("run_id") = "", nb::arg("rank") = -1,
+          nb::arg("kind") = "memory", nb::arg("heartbeat") = 10.0)
       .def("mark_restored",
            [](PyLease& l) {
              if (!l.lease) RaiseStatus(FailedPreconditionError("memory tier lease released"));

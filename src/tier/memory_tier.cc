@@ -54,8 +54,7 @@ constexpr std::string_view kRunIdFile = "cairn.run";  // in the run root (manage
 constexpr std::string_view kStagerPrefix = "cairn-stager-";
 
 double NowSeconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 double MtimeSeconds(const struct stat& st) {
@@ -347,9 +346,8 @@ bool Inspect(const std::string& root, const std::string& name, const MemoryTierS
   char buf[160];
   if (idle > opts.grace_seconds) {
     info->orphaned = true;
-    std::snprintf(buf, sizeof(buf),
-                  "no live owner, not restored for %.0f s (grace period %.0f s)", idle,
-                  opts.grace_seconds);
+    std::snprintf(buf, sizeof(buf), "no live owner, not restored for %.0f s (grace period %.0f s)",
+                  idle, opts.grace_seconds);
   } else {
     std::snprintf(buf, sizeof(buf), "no live owner for %.0f s, within the grace period of %.0f s",
                   std::max(0.0, idle), opts.grace_seconds);
@@ -538,8 +536,8 @@ MemoryTierLease::~MemoryTierLease() { Release().IgnoreError(); }
 
 Result<std::unique_ptr<MemoryTierLease>> MemoryTierLease::Acquire(MemoryTierLeaseOptions opts) {
   if (opts.dir.empty() || opts.dir.front() != '/') {
-    return InvalidArgumentError("memory tier directory must be an absolute path, got '" +
-                                opts.dir + "'");
+    return InvalidArgumentError("memory tier directory must be an absolute path, got '" + opts.dir +
+                                "'");
   }
   while (opts.dir.size() > 1 && opts.dir.back() == '/') opts.dir.pop_back();
   const std::string lock = opts.dir + "/" + std::string(kLockFile);
