@@ -125,8 +125,9 @@ class MemoryTierLease {
   // Records that the tier was just restored from (last_restored = now).
   Status MarkRestored();
   // Stops the heartbeat, deletes this process's owner record and drops the
-  // lock. Idempotent.
-  Status Release();
+  // lock. With remove_if_empty, the last owner out also deletes the tier if
+  // it holds nothing but bookkeeping (no slot file left). Idempotent.
+  Status Release(bool remove_if_empty = false);
 
   const std::string& dir() const { return opts_.dir; }
 

@@ -675,7 +675,10 @@ class CheckpointManager:
                 # The memory tier ends with the manager: slot manifests and any
                 # leftovers of crashed processes go with it.
                 shutil.rmtree(self.shm_dir, ignore_errors=True)
-            self._lease.release()
+            try:  # the last owner out removes a tier left empty (a rank's own root)
+                self._lease.release(remove_if_empty=True)
+            except Error as e:
+                log.warning("cairn: releasing the memory tier %s: %s", self.shm_dir, e)
 
     def _flush(self, rec: _Save) -> None:
         """Persists a save that stayed in memory only (close() of a run whose newest

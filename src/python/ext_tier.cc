@@ -150,16 +150,18 @@ void RegisterTier(nb::module_& m) {
              if (!l.lease) RaiseStatus(FailedPreconditionError("memory tier lease released"));
              ThrowIfError(l.lease->MarkRestored());
            })
-      .def("release",
-           [](PyLease& l) {
-             Status s;
-             {
-               nb::gil_scoped_release nogil;
-               if (l.lease) s = l.lease->Release();
-               l.lease.reset();
-             }
-             ThrowIfError(s);
-           })
+      .def(
+          "release",
+          [](PyLease& l, bool remove_if_empty) {
+            Status s;
+            {
+              nb::gil_scoped_release nogil;
+              if (l.lease) s = l.lease->Release(remove_if_empty);
+              l.lease.reset();
+            }
+            ThrowIfError(s);
+          },
+          nb::arg("remove_if_empty") = false)
       .def_prop_ro("dir", [](const PyLease& l) { return l.lease ? l.lease->dir() : ""; });
 }
 

@@ -396,6 +396,19 @@ Status RemoveTier(const std::string& path) {
   return first;
 }
 
+// True if `dir` holds no file but cairn.tier, cairn.lock and owner records.
+bool OnlyBookkeeping(const std::string& dir) {
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->is_directory(ec)) continue;
+    fs::path rel = it->path().lexically_relative(dir);
+    std::string first = rel.begin()->string();
+    if (first == kTierFile || first == kLockFile || first == kOwnersDir) continue;
+    return false;
+  }
+  return !ec;
+}
+
 }  // namespace
 
 MemoryTierOwner CurrentProcessOwner() {
@@ -616,7 +629,7 @@ Status MemoryTierLease::MarkRestored() {
   return WriteFileAtomic(tier_file, j.dump()).WithContext("memory tier " + opts_.dir);
 }
 
-Status MemoryTierLease::Release() {
+Status MemoryTierLease::Release(bool remove_if_empty) {
   if (owner_pid_ != ::getpid()) {
     // A forked child: the heartbeat thread and the owner record are the
     // parent's. Leave both (joining a thread of another process would hang).
@@ -638,6 +651,13 @@ Status MemoryTierLease::Release() {
   if (lock_fd_ >= 0) {
     if (::unlink(owner_path_.c_str()) != 0 && errno != ENOENT) {
       s = ErrnoToStatus(errno, "delete " + owner_path_);
+    }
+    // The last owner (the shared lock upgrades only when no one else holds
+    // it) turns off the lights if nothing but bookkeeping is left.
+    if (remove_if_empty && ::flock(lock_fd_, LOCK_EX | LOCK_NB) == 0 &&
+        OnlyBookkeeping(opts_.dir)) {
+      Status r = RemoveTier(opts_.dir);
+      if (s.ok()) s = r;
     }
     ::close(lock_fd_);
     lock_fd_ = -1;

@@ -211,6 +211,24 @@ TEST_F(MemoryTierTest, LegacyTierWithALockedSlotFileIsInUse) {
   EXPECT_TRUE(tiers[0].orphaned) << tiers[0].reason;
 }
 
+TEST_F(MemoryTierTest, LastOwnerOutRemovesATierLeftEmptyAndOnlyThen) {
+  const std::string dir = shm_ + "/cairn-00112233aabbccdd";
+  auto a = MemoryTierLease::Acquire(Opts());
+  auto b = MemoryTierLease::Acquire(Opts());
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE((*a)->Release(/*remove_if_empty=*/true).ok());
+  EXPECT_TRUE(fs::exists(dir));  // b still holds it
+  fs::create_directories(dir + "/slot0/data");
+  std::ofstream(dir + "/slot0/data/r0.bin") << "x";
+  ASSERT_TRUE((*b)->Release(true).ok());
+  EXPECT_TRUE(fs::exists(dir));  // a slot file is left: kept
+  fs::remove_all(dir + "/slot0");
+  auto c = MemoryTierLease::Acquire(Opts());
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->Release(true).ok());
+  EXPECT_FALSE(fs::exists(dir));
+}
+
 TEST_F(MemoryTierTest, SharedMemoryRoomReportsTheFilesystem) {
   auto room = GetSharedMemoryRoom(shm_);
   ASSERT_TRUE(room.ok());
