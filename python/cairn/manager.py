@@ -245,11 +245,10 @@ class CheckpointManager:
             each node (every local rank's slots together): bytes (int), or a fraction
             of /dev/shm's size (float in (0, 1]). A save that would exceed it, or that
             needs more than /dev/shm (or the node's memory) has free, fails before it
-            changes a byte of shared memory, with cairn.errors.ResourceExhaustedError (a
-            cairn.Error): the
-            memory-tier checkpoint already there stays, and training can go on
-            (save less often or with a smaller state, or raise the limit). Default:
-            no limit beyond the free space, which is always checked.
+            changes a byte of shared memory, with cairn.errors.ResourceExhaustedError
+            (a cairn.Error): the memory-tier checkpoint already there stays, and
+            training can go on (save less often or with a smaller state, or raise the
+            limit). Default: no limit beyond the free space, which is always checked.
         orphan_grace: seconds a crashed run's memory tier is kept for its restart
             before the next manager on the node reclaims it (see ``cairn gc``).
 
