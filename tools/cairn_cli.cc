@@ -6,6 +6,8 @@
 //   cairn cp SRC DST        copies a committed checkpoint (dirs or shm:// URIs)
 //   cairn prune ROOT -k K   keeps the newest K committed step_<N> checkpoints
 //                           (and aborts stale unfinished S3 uploads)
+//   cairn ls --memory       this node's memory tiers: size, step, run root, owner
+//   cairn gc                deletes orphaned memory tiers (memory_commands.cc)
 //
 // PATH/ROOT are directories, file://DIR, shm://NAME or s3://BUCKET/PREFIX. Exit codes: 0 ok,
 // 1 corruption or failure, 2 usage or not found.
@@ -22,6 +24,8 @@
 #include <thread>
 
 #include "cairn/checkpoint.h"
+#include "cairn/memory_tier.h"
+#include "memory_commands.h"
 
 namespace {
 
@@ -215,8 +219,22 @@ int main(int argc, char** argv) {
   std::string root, path, src, dst;
   bool as_json = false, verify_dst = false;
   auto* ls = app.add_subcommand("ls", "list checkpoints below ROOT (step, size, state)");
-  ls->add_option("ROOT", root, "directory, file://DIR, shm://NAME or s3://BUCKET/PREFIX")
-      ->required();
+  auto* ls_root =
+      ls->add_option("ROOT", root, "directory, file://DIR, shm://NAME or s3://BUCKET/PREFIX");
+  cairn::cli::MemoryCommandOptions mem;
+  mem.grace_seconds = cairn::kDefaultOrphanGraceSeconds;
+  bool ls_memory = false;
+  ls->add_flag("--memory", ls_memory, "list this node's memory tiers and replicas instead")
+      ->excludes(ls_root);
+  auto* gc = app.add_subcommand("gc", "delete this node's orphaned memory tiers");
+  gc->add_option("--grace", mem.grace_seconds,
+                 "seconds a tier whose owner died is kept for a restart to restore it")
+      ->check(CLI::NonNegativeNumber);
+  gc->add_flag("-n,--dry-run", mem.dry_run, "only list what would be removed");
+  for (auto* cmd : {ls, gc}) {
+    cmd->add_option("--shm-root", mem.shm_root, "where node shared memory is (default /dev/shm)");
+  }
+  ls->add_flag("--json", mem.as_json, "with --memory: print the tiers as JSON");
   auto* inspect = app.add_subcommand("inspect", "show the tensors and files of a checkpoint");
   inspect->add_option("PATH", path, "checkpoint directory or URI")->required();
   inspect->add_flag("--json", as_json, "print the manifest body as JSON");
@@ -246,7 +264,13 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
+  if (*ls && ls_memory) return cairn::cli::CmdLsMemory(mem);
+  if (*ls && root.empty()) {
+    std::fprintf(stderr, "cairn ls: ROOT or --memory is required\n");
+    return 2;
+  }
   if (*ls) return CmdLs(root);
+  if (*gc) return cairn::cli::CmdGc(mem);
   if (*inspect) return CmdInspect(path, as_json);
   if (*verify) return CmdVerify(path, threads);
   if (*cp) return CmdCp(src, dst, threads, verify_dst);

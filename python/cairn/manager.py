@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from cairn import _chaos, _ext
+from cairn import _chaos, _ext, _memory_budget
 from cairn.dcp import Reader, _Location, _manifest_body
 from cairn.errors import CorruptionError, Error, InvalidArgumentError, TimeoutError
 from cairn.state import RNGState
@@ -144,6 +144,8 @@ class _StagingWriter(StorageWriter):
             items.append((item, src, nbytes, offset))
             offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         used = max(offset, _ALIGN)
+        # Room for the slot on this node, checked before anything in it changes.
+        mgr._budget.check(self.slot, used)
         # The slot may still hold an older memory-tier checkpoint: uncommit it before
         # a single byte of it changes.
         _ext.uncommit(mgr._slot_uri(self.slot))
@@ -239,6 +241,16 @@ class CheckpointManager:
         timeout: seconds for every collective and wait (default 600).
         thread_count: I/O threads per rank.
         direct_io: O_DIRECT writes to the local and durable tiers where possible.
+        memory_limit: the most node shared memory this run's memory tier may hold on
+            each node (every local rank's slots together): bytes (int), or a fraction
+            of /dev/shm's size (float in (0, 1]). A save that would exceed it, or that
+            needs more than /dev/shm (or the node's memory) has free, fails before it
+            changes a byte of shared memory, with cairn.errors.ResourceExhaustedError
+            (a cairn.Error): the memory-tier checkpoint already there stays, and
+            training can go on (save less often or with a smaller state, or raise the
+            limit). Default: no limit beyond the free space, which is always checked.
+        orphan_grace: seconds a crashed run's memory tier is kept for its restart
+            before the next manager on the node reclaims it (see ``cairn gc``).
 
     Thread-safety: one manager per process, used from one thread. ``save()`` returns
     after staging; ``wait()`` blocks until the save is durable; ``close()`` waits,
@@ -250,7 +262,9 @@ class CheckpointManager:
                  local: str | os.PathLike | None = None, keep: int = 3, *,
                  keep_local: int | None = None, memory_slots: int = 1, durable_every: int = 1,
                  process_group: Any = None, timeout: float = 600.0,
-                 thread_count: int | None = None, direct_io: bool = True):
+                 thread_count: int | None = None, direct_io: bool = True,
+                 memory_limit: int | float | None = None,
+                 orphan_grace: float = float(_ext.DEFAULT_ORPHAN_GRACE_S)):
         for name, v in (("keep", keep), ("memory_slots", memory_slots),
                         ("durable_every", durable_every)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -259,6 +273,7 @@ class CheckpointManager:
             raise InvalidArgumentError(f"keep_local must be an int >= 1, got {keep_local!r}")
         if not timeout or timeout <= 0:
             raise InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout!r}")
+        _memory_budget.check_limit(memory_limit)
         self.root = self._tier_uri(root, "root")
         self.local = None if local is None else self._tier_uri(local, "local")
         self.memory = bool(memory)
@@ -308,6 +323,13 @@ class CheckpointManager:
         self.shm_name = memory_tier_name(self.root)
         self.shm_dir = _ext.shm_directory(self.shm_name)
         self.num_slots = memory_slots
+        # This process owns the tier from now on (a lock, an owner record and a
+        # heartbeat, in C++); then the node's orphaned tiers of crashed runs go.
+        self._lease = _ext.MemoryTierLease(self.shm_dir, run_root=self.root,
+                                           run_id=self.run_id, rank=self.rank)
+        if self._node_leader:
+            _memory_budget.reclaim_orphans(float(orphan_grace))
+        self._budget = _memory_budget.Budget(self, memory_limit)
         # The staging pool is opened at the first save, not here: a DataLoader
         # forked before that would otherwise inherit the slot files' locks and
         # could keep a restarted process out of its own slots.
@@ -422,8 +444,9 @@ class CheckpointManager:
                 # Single-process runs are fine: DCP's warning about it is noise here.
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.save(state, storage_writer=writer, process_group=self.pg)
-        except BaseException:
+        except BaseException as e:
             self._release_slot()
+            _memory_budget.raise_budget_error(e)
             raise
         stall = time.perf_counter() - t0
         rec = _Save(step=step, slot=slot, durable=goes_durable, writer=writer, stall_s=stall,
@@ -651,6 +674,10 @@ class CheckpointManager:
                 # The memory tier ends with the manager: slot manifests and any
                 # leftovers of crashed processes go with it.
                 shutil.rmtree(self.shm_dir, ignore_errors=True)
+            try:  # the last owner out removes a tier left empty (a rank's own root)
+                self._lease.release(remove_if_empty=True)
+            except Error as e:
+                log.warning("cairn: releasing the memory tier %s: %s", self.shm_dir, e)
 
     def _flush(self, rec: _Save) -> None:
         """Persists a save that stayed in memory only (close() of a run whose newest
@@ -741,6 +768,8 @@ class CheckpointManager:
                 if all(verdicts):
                     log.info("cairn: restored step %d from the %s tier", step, choice[1])
                     self.restored = (step, choice[1])
+                    if choice[1] == "memory":
+                        _memory_budget.mark_restored(self._lease)
                     return step
                 bad.add((step, choice[1]))
                 failures.append(f"step {step} ({choice[1]}): {err or 'failed on another rank'}")

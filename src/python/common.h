@@ -28,5 +28,6 @@ void RegisterStorage(nanobind::module_& m);
 void RegisterCheckpoint(nanobind::module_& m);
 void RegisterStaging(nanobind::module_& m);
 void RegisterCache(nanobind::module_& m);
+void RegisterTier(nanobind::module_& m);
 
 }  // namespace cairn::python

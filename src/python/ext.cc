@@ -27,4 +27,5 @@ NB_MODULE(_ext, m) {
   cairn::python::RegisterCheckpoint(m);
   cairn::python::RegisterStaging(m);
   cairn::python::RegisterCache(m);
+  cairn::python::RegisterTier(m);
 }

@@ -95,29 +95,36 @@ TRAIN = textwrap.dedent(
     """
     import json, os, sys, time
     import cairn.data as cd
-    src, cache, log, epochs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+
     def ident(b):
         return b
-    ds = cd.CachedFileDataset(src, cache_dir=cache, shuffle=True, seed=11)
-    dl = cd.DataLoader(ds, batch_size=2, num_workers=2, collate_fn=ident)
-    state = None
-    if os.path.exists(log):
-        for line in open(log):
-            try:
-                state = json.loads(line)["state"]
-            except ValueError:
-                pass  # a line cut by the kill
-    if state is not None:
-        dl.load_state_dict(state)
-    with open(log, "a") as f:
-        for epoch in range(dl.epoch, epochs):
-            dl.set_epoch(epoch)
-            for batch in dl:
-                names = ["/".join(p.split("/")[-2:]) for p in batch]
-                f.write(json.dumps({"batch": names, "state": dl.state_dict()}) + "\\n")
-                f.flush()
-                os.fsync(f.fileno())
-                time.sleep(0.03)  # the training step
+
+    def main():
+        src, cache, log, epochs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+        ds = cd.CachedFileDataset(src, cache_dir=cache, shuffle=True, seed=11)
+        # Default start method (forkserver): the script guards its main, as it must.
+        dl = cd.DataLoader(ds, batch_size=2, num_workers=2, collate_fn=ident)
+        state = None
+        if os.path.exists(log):
+            for line in open(log):
+                try:
+                    state = json.loads(line)["state"]
+                except ValueError:
+                    pass  # a line cut by the kill
+        if state is not None:
+            dl.load_state_dict(state)
+        with open(log, "a") as f:
+            for epoch in range(dl.epoch, epochs):
+                dl.set_epoch(epoch)
+                for batch in dl:
+                    names = ["/".join(p.split("/")[-2:]) for p in batch]
+                    f.write(json.dumps({"batch": names, "state": dl.state_dict()}) + "\\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                    time.sleep(0.03)  # the training step
+
+    if __name__ == "__main__":
+        main()
     """
 )
 
@@ -130,6 +137,23 @@ def _batches(log):
         except ValueError:
             pass
     return out
+
+
+def _kill_trainer(proc):
+    """SIGKILLs the trainer alone (its workers, forkserver and resource tracker exit
+    by themselves, and the tracker unlinks the named semaphores of the dead run),
+    then waits for its process group to be empty."""
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError("the trainer's workers outlived it by 10 s")
 
 
 def _kill_resume_setup(tmp_path):
@@ -158,8 +182,7 @@ def test_kill_9_mid_epoch_and_resume_gives_the_same_sequence(tmp_path):
     deadline = time.time() + 90
     while time.time() < deadline and (not os.path.exists(log) or len(_batches(log)) < 5):
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its workers
-    proc.wait()
+    _kill_trainer(proc)
     killed_at = len(_batches(log))
     assert 5 <= killed_at < 22
     subprocess.run([sys.executable, script, src, f"{tmp}/cache", log, "2"], env=env,
@@ -253,7 +276,7 @@ def test_repeated_random_kills_always_resume_exactly(tmp_path):
                 time.sleep(0.002)
             if proc.poll() is None:
                 time.sleep(rnd.random() * 0.03)  # anywhere inside a step
-                os.killpg(proc.pid, signal.SIGKILL)
+                _kill_trainer(proc)
             proc.wait()
         subprocess.run([sys.executable, script, src, f"{tmp}/cache", log, "2"], env=env,
                        check=True, timeout=120)

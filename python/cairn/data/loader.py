@@ -13,6 +13,14 @@
   epoch is dropped). With :class:`ShardDataset`, whose shards may differ in
   length, this is how every rank gets the same number of batches (choose N no
   larger than the smallest rank's share), so no rank hangs at an epoch's end.
+* Workers start from a forkserver by default (``multiprocessing_context``
+  overrides it): a ``fork()`` of a trainer that runs threads (torch.distributed,
+  a CheckpointManager) can leave a worker hung in a lock held at the fork. With
+  a start method other than fork the dataset is pickled to the workers, so an
+  unpicklable ``read_shard`` (a lambda) is refused here, with a ValueError.
+* Workers never outlive the trainer, even when it dies by SIGKILL (see
+  ``_workers``): each one watches the trainer process and kills itself when it
+  is gone, and then the forkserver and the resource tracker exit too.
 * At the start of each iteration, when torch.distributed is initialized, the
   ranks compare ``num_workers``, ``batch_size`` and the dataset size
   (``all_gather_object``) and raise ``ValueError`` on a mismatch: different
@@ -28,12 +36,13 @@
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import torch
 import torch.utils.data
 
-from cairn.data import _partition, shards
+from cairn.data import _partition, _workers, shards
 from cairn.data._control import Control
 from cairn.data.cached import CachedFileDataset
 from cairn.data.shards import ShardDataset
@@ -130,6 +139,13 @@ class DataLoader(torch.utils.data.DataLoader):
             )
         if num_workers > 0:
             kwargs["persistent_workers"] = True
+            if kwargs.get("multiprocessing_context") is None:
+                kwargs["multiprocessing_context"] = "forkserver"
+            method = _workers.start_method(kwargs["multiprocessing_context"])
+            if method != "fork" and isinstance(cds, ShardDataset):
+                _workers.check_picklable("read_shard", cds.read_shard, method)
+            kwargs["worker_init_fn"] = _workers.WorkerInit(os.getpid(),
+                                                           kwargs.get("worker_init_fn"))
         if "in_order" in inspect.signature(torch.utils.data.DataLoader.__init__).parameters:
             if kwargs.get("in_order") is False:
                 raise ValueError("cairn.data.DataLoader needs in_order=True")
@@ -243,7 +259,9 @@ class DataLoader(torch.utils.data.DataLoader):
             consumers=nw * ws,
             num_workers=nw,
         )
-        return _Iter(self, super().__iter__())
+        with _workers.arm_fork():  # the first iteration starts the workers
+            inner = super().__iter__()
+        return _Iter(self, inner)
 
     # -- DCP Stateful -------------------------------------------------------
     def state_dict(self) -> dict:

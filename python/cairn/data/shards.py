@@ -66,7 +66,9 @@ class ShardDataset(torch.utils.data.IterableDataset):
     Args:
         shards: the shards (any picklable objects, e.g. paths).
         read_shard: ``read_shard(shard) -> iterable of samples``; must return the
-            same samples in the same order each time it is called.
+            same samples in the same order each time it is called. With DataLoader
+            workers started by forkserver (the default) or spawn it is pickled, so it
+            must be a module-level function (cairn.data.DataLoader refuses a lambda).
         shuffle, seed: shuffle the shard order per epoch.
         shuffle_buffer: if > 1, shuffle samples within each shard through a
             buffer of this size.

@@ -1,0 +1,139 @@
+"""The memory tier's budget and reclaim hooks of CheckpointManager.
+
+Budget. Before a save changes a byte of a staging slot, each rank works out how much
+its slot file must grow (nothing in the steady state: slots are reused). Without a
+``memory_limit`` it checks that /dev/shm and the node's memory have that much free
+(a full tmpfs would otherwise deliver SIGBUS on first touch; growing uses fallocate
+as well, so a race still ends in an error, not a signal). With a ``memory_limit``
+the ranks all-gather (node, growth, and, from each node's leader, the tier's
+current footprint, free room and limit), and every rank reaches the same verdict
+for every node; a save that would take any node's memory tier past its limit fails
+on every rank alike, with :class:`cairn.errors.ResourceExhaustedError`, leaving the
+memory-tier checkpoint already in the slot intact.
+
+Reclaim. The listing and the orphan decision are in C++ (``cairn/memory_tier.h``),
+shared with ``cairn gc``; the node leader of a new manager calls it once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+from cairn import _ext
+from cairn.errors import Error, InvalidArgumentError, ResourceExhaustedError
+
+log = logging.getLogger("cairn.manager")
+
+_GROW_ALIGN = int(_ext.SLOT_GROW_ALIGN)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def check_limit(limit: Any) -> None:
+    if limit is None:
+        return
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+        raise InvalidArgumentError(
+            f"memory_limit must be bytes (int) or a fraction of /dev/shm (float), got {limit!r}")
+    if isinstance(limit, int) and limit <= 0:
+        raise InvalidArgumentError(f"memory_limit must be > 0 bytes, got {limit}")
+    if isinstance(limit, float) and not 0.0 < limit <= 1.0:
+        raise InvalidArgumentError(
+            f"memory_limit as a fraction of /dev/shm must be in (0, 1], got {limit}")
+
+
+def reclaim_orphans(grace: float) -> None:
+    """Deletes the node's orphaned memory tiers; a failure only warns."""
+    try:
+        for t in _ext.reclaim_memory_tiers(grace=grace):
+            log.warning("cairn: reclaimed orphaned memory tier %s (%s, run root %s): %s",
+                        t["path"], _human(t["bytes"]), t["run_root"] or "?", t["reason"])
+    except Error as e:
+        log.warning("cairn: reclaiming orphaned memory tiers: %s", e)
+
+
+def mark_restored(lease: Any) -> None:
+    try:
+        lease.mark_restored()
+    except Error as e:
+        log.warning("cairn: recording the restore in the memory tier: %s", e)
+
+
+def raise_budget_error(e: BaseException) -> None:
+    """Re-raises a budget error that DCP wrapped in its CheckpointException."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict):
+        return
+    for exc, _ in failures.values():
+        if isinstance(exc, ResourceExhaustedError):
+            raise exc from None
+
+
+class Budget:
+    """The memory budget of one manager (see the module docstring)."""
+
+    def __init__(self, mgr: Any, limit: int | float | None) -> None:
+        self.mgr = mgr
+        self.shm_root = os.path.dirname(mgr.shm_dir)
+        self.limit: int | None = None
+        self.limit_arg = limit
+        if limit is not None:
+            if isinstance(limit, float):
+                total = int(_ext.shared_memory_room(self.shm_root)["total"])
+                self.limit = int(limit * total)
+            else:
+                self.limit = int(limit)
+            self.host = socket.gethostname()
+
+    def _growth(self, slot: int, used: int) -> int:
+        path = os.path.join(self.mgr.shm_dir, f"slot{slot}", "data", f"r{self.mgr.rank}.bin")
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            size = 0
+        want = (used + _GROW_ALIGN - 1) // _GROW_ALIGN * _GROW_ALIGN
+        return max(0, want - size)
+
+    def check(self, slot: int, used: int) -> None:
+        grow = self._growth(slot, used)
+        if self.limit is None:
+            if grow:
+                room = int(_ext.shared_memory_room(self.shm_root)["usable"])
+                if grow > room:
+                    raise ResourceExhaustedError(
+                        f"staging needs {_human(grow)} more shared memory on this node, but "
+                        f"only {_human(room)} is free in {self.shm_root} (and the node's "
+                        f"memory); the save was not started and the memory tier is unchanged")
+            return
+        mgr = self.mgr
+        mine: dict[str, Any] = {"host": self.host, "grow": grow}
+        if mgr._node_leader:
+            mine["footprint"] = int(_ext.allocated_bytes(mgr.shm_dir))
+            mine["room"] = int(_ext.shared_memory_room(self.shm_root)["usable"])
+            mine["limit"] = self.limit
+        everyone = mgr._gather(mine)
+        for node in sorted({o["host"] for o in everyone}):
+            ranks = [o for o in everyone if o["host"] == node]
+            need = sum(o["grow"] for o in ranks)
+            leader = next(o for o in ranks if "footprint" in o)
+            after = leader["footprint"] + need
+            if need and after > leader["limit"]:
+                raise ResourceExhaustedError(
+                    f"memory_limit: this save needs the memory tier on node {node} to grow by "
+                    f"{_human(need)} to {_human(after)}, over its memory_limit of "
+                    f"{_human(leader['limit'])} ({self.limit_arg!r}); the save was not "
+                    f"started and the memory tier is unchanged")
+            if need > leader["room"]:
+                raise ResourceExhaustedError(
+                    f"staging needs {_human(need)} more shared memory on node {node}, but only "
+                    f"{_human(leader['room'])} is free; the save was not started and the "
+                    f"memory tier is unchanged")

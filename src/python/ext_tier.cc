@@ -1,0 +1,168 @@
+// Bindings for memory-tier bookkeeping (include/cairn/memory_tier.h): the
+// listing and the orphan decision live in C++; Python only converts.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cairn/memory_tier.h"
+#include "common.h"
+#include "storage/shm/mapped_file.h"
+
+namespace nb = nanobind;
+
+namespace cairn::python {
+namespace {
+
+nb::dict OwnerDict(const MemoryTierOwner& o) {
+  nb::dict d;
+  d["pid"] = o.pid;
+  d["start_time"] = o.start_time;
+  d["boot_id"] = o.boot_id;
+  d["hostname"] = o.hostname;
+  d["rank"] = o.rank;
+  d["heartbeat"] = o.heartbeat;
+  d["state"] = o.state;
+  return d;
+}
+
+nb::dict TierDict(const MemoryTierInfo& t) {
+  nb::dict d;
+  d["name"] = t.name;
+  d["path"] = t.path;
+  d["kind"] = t.kind;
+  d["bytes"] = t.bytes;
+  nb::list steps;
+  for (int64_t s : t.steps) steps.append(s);
+  d["steps"] = steps;
+  if (t.steps.empty()) {
+    d["step"] = nb::none();
+  } else {
+    d["step"] = t.steps.front();
+  }
+  d["run_root"] = t.run_root;
+  d["run_id"] = t.run_id;
+  d["created"] = t.created;
+  d["last_restored"] = t.last_restored;
+  d["last_active"] = t.last_active;
+  nb::list owners;
+  for (const auto& o : t.owners) owners.append(OwnerDict(o));
+  d["owners"] = owners;
+  d["in_use"] = t.in_use;
+  d["orphaned"] = t.orphaned;
+  d["reason"] = t.reason;
+  return d;
+}
+
+MemoryTierScanOptions ScanOptions(const std::string& shm_root, double grace, double now) {
+  MemoryTierScanOptions o;
+  o.shm_root = shm_root;
+  o.grace_seconds = grace;
+  o.now = now;
+  return o;
+}
+
+// The Python object: the lease until release() (the destructor releases it
+// too, at garbage collection).
+struct PyLease {
+  std::unique_ptr<MemoryTierLease> lease;
+};
+
+}  // namespace
+
+void RegisterTier(nb::module_& m) {
+  m.attr("DEFAULT_ORPHAN_GRACE_S") = kDefaultOrphanGraceSeconds;
+  // Slot files grow in steps of this many bytes (the budget counts whole steps).
+  m.attr("SLOT_GROW_ALIGN") = internal::MappedShmFile::kGrowAlign;
+  m.def(
+      "list_memory_tiers",
+      [](const std::string& shm_root, double grace, double now) {
+        std::vector<MemoryTierInfo> tiers;
+        {
+          nb::gil_scoped_release nogil;
+          auto r = ListMemoryTiers(ScanOptions(shm_root, grace, now));
+          if (!r.ok()) RaiseStatus(r.status());
+          tiers = std::move(r).value();
+        }
+        nb::list out;
+        for (const auto& t : tiers) out.append(TierDict(t));
+        return out;
+      },
+      nb::arg("shm_root") = "", nb::arg("grace") = kDefaultOrphanGraceSeconds, nb::arg("now") = 0.0,
+      "The node's memory tiers, each a dict, with the orphan decision.");
+  m.def(
+      "reclaim_memory_tiers",
+      [](const std::string& shm_root, double grace, bool dry_run) {
+        std::vector<MemoryTierInfo> gone;
+        Status s;
+        {
+          nb::gil_scoped_release nogil;
+          s = ReclaimOrphanedMemoryTiers(ScanOptions(shm_root, grace, 0), &gone, dry_run);
+        }
+        ThrowIfError(s);
+        nb::list out;
+        for (const auto& t : gone) out.append(TierDict(t));
+        return out;
+      },
+      nb::arg("shm_root") = "", nb::arg("grace") = kDefaultOrphanGraceSeconds,
+      nb::arg("dry_run") = false, "Deletes orphaned memory tiers; returns what was deleted.");
+  m.def(
+      "shared_memory_room",
+      [](const std::string& dir) {
+        SharedMemoryRoom r = ValueOrThrow(GetSharedMemoryRoom(dir));
+        nb::dict d;
+        d["total"] = r.total;
+        d["free"] = r.free;
+        d["mem_available"] = r.mem_available;
+        d["usable"] = r.usable();
+        return d;
+      },
+      nb::arg("dir"));
+  m.def(
+      "allocated_bytes", [](const std::string& dir) { return ValueOrThrow(AllocatedBytes(dir)); },
+      nb::arg("dir"));
+
+  nb::class_<PyLease>(m, "MemoryTierLease")
+      .def(
+          "__init__",
+          [](PyLease* self, const std::string& dir, const std::string& run_root,
+             const std::string& run_id, int64_t rank, const std::string& kind, double heartbeat) {
+            MemoryTierLeaseOptions o;
+            o.dir = dir;
+            o.run_root = run_root;
+            o.run_id = run_id;
+            o.rank = rank;
+            o.kind = kind;
+            o.heartbeat_seconds = heartbeat;
+            Result<std::unique_ptr<MemoryTierLease>> r = UnavailableError("not acquired");
+            {
+              nb::gil_scoped_release nogil;
+              r = MemoryTierLease::Acquire(std::move(o));
+            }
+            new (self) PyLease{ValueOrThrow(std::move(r))};
+          },
+          nb::arg("dir"), nb::arg("run_root") = "", nb::arg("run_id") = "", nb::arg("rank") = -1,
+          nb::arg("kind") = "memory", nb::arg("heartbeat") = 10.0)
+      .def("mark_restored",
+           [](PyLease& l) {
+             if (!l.lease) RaiseStatus(FailedPreconditionError("memory tier lease released"));
+             ThrowIfError(l.lease->MarkRestored());
+           })
+      .def(
+          "release",
+          [](PyLease& l, bool remove_if_empty) {
+            Status s;
+            {
+              nb::gil_scoped_release nogil;
+              if (l.lease) s = l.lease->Release(remove_if_empty);
+              l.lease.reset();
+            }
+            ThrowIfError(s);
+          },
+          nb::arg("remove_if_empty") = false)
+      .def_prop_ro("dir", [](const PyLease& l) { return l.lease ? l.lease->dir() : ""; });
+}
+
+}  // namespace cairn::python

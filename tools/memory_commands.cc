@@ -1,0 +1,121 @@
+#include "memory_commands.h"
+
+#include <cstdio>
+#include <ctime>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "cairn/memory_tier.h"
+
+namespace cairn::cli {
+namespace {
+
+std::string Bytes(uint64_t n) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 4) v /= 1024, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), u ? "%.1f %s" : "%.0f %s", v, units[u]);
+  return buf;
+}
+
+std::string Owners(const MemoryTierInfo& t) {
+  std::string out;
+  for (const auto& o : t.owners) {
+    if (!out.empty()) out += ",";
+    out += o.hostname + ":" + std::to_string(o.pid);
+    if (o.rank >= 0) out += "/r" + std::to_string(o.rank);
+    out += "(" + o.state + ")";
+  }
+  return out.empty() ? "-" : out;
+}
+
+std::string State(const MemoryTierInfo& t) {
+  if (t.in_use) return "in use";
+  return (t.orphaned ? "orphaned: " : "idle: ") + t.reason;
+}
+
+nlohmann::json ToJson(const MemoryTierInfo& t) {
+  nlohmann::json owners = nlohmann::json::array();
+  for (const auto& o : t.owners) {
+    owners.push_back({{"pid", o.pid},
+                      {"hostname", o.hostname},
+                      {"rank", o.rank},
+                      {"state", o.state},
+                      {"heartbeat", o.heartbeat}});
+  }
+  return {{"name", t.name},
+          {"path", t.path},
+          {"kind", t.kind},
+          {"bytes", t.bytes},
+          {"steps", t.steps},
+          {"run_root", t.run_root},
+          {"run_id", t.run_id},
+          {"created", t.created},
+          {"last_restored", t.last_restored},
+          {"last_active", t.last_active},
+          {"owners", owners},
+          {"in_use", t.in_use},
+          {"orphaned", t.orphaned},
+          {"reason", t.reason}};
+}
+
+MemoryTierScanOptions Scan(const MemoryCommandOptions& opts) {
+  MemoryTierScanOptions s;
+  s.shm_root = opts.shm_root;
+  s.grace_seconds = opts.grace_seconds;
+  return s;
+}
+
+}  // namespace
+
+int CmdLsMemory(const MemoryCommandOptions& opts) {
+  auto tiers = ListMemoryTiers(Scan(opts));
+  if (!tiers.ok()) {
+    std::fprintf(stderr, "cairn: %s\n", tiers.status().ToString().c_str());
+    return 1;
+  }
+  if (opts.as_json) {
+    nlohmann::json all = nlohmann::json::array();
+    for (const auto& t : *tiers) all.push_back(ToJson(t));
+    std::printf("%s\n", all.dump(2).c_str());
+    return 0;
+  }
+  std::printf("%-24s %-8s %10s %8s  %-32s %-28s %s\n", "NAME", "KIND", "SIZE", "STEP", "RUN ROOT",
+              "OWNER", "STATE");
+  uint64_t total = 0;
+  for (const auto& t : *tiers) {
+    total += t.bytes;
+    std::string step = t.steps.empty() ? "-" : std::to_string(t.steps.front());
+    std::printf("%-24s %-8s %10s %8s  %-32s %-28s %s\n", t.name.c_str(), t.kind.c_str(),
+                Bytes(t.bytes).c_str(), step.c_str(), t.run_root.empty() ? "-" : t.run_root.c_str(),
+                Owners(t).c_str(), State(t).c_str());
+  }
+  std::printf("%zu memory tier(s), %s of shared memory\n", tiers->size(), Bytes(total).c_str());
+  return 0;
+}
+
+int CmdGc(const MemoryCommandOptions& opts) {
+  std::vector<MemoryTierInfo> gone;
+  Status s = ReclaimOrphanedMemoryTiers(Scan(opts), &gone, opts.dry_run);
+  uint64_t freed = 0;
+  for (const auto& t : gone) {
+    freed += t.bytes;
+    std::printf("%s %s (%s, %s): %s\n", opts.dry_run ? "would remove" : "removed", t.name.c_str(),
+                t.kind.c_str(), Bytes(t.bytes).c_str(), t.reason.c_str());
+  }
+  if (!s.ok()) {
+    std::fprintf(stderr, "cairn: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  if (gone.empty()) {
+    std::printf("no orphaned memory tier\n");
+  } else {
+    std::printf("%s %s in %zu memory tier(s)\n", opts.dry_run ? "would free" : "freed",
+                Bytes(freed).c_str(), gone.size());
+  }
+  return 0;
+}
+
+}  // namespace cairn::cli
