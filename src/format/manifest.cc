@@ -10,6 +10,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -168,7 +169,7 @@ class CoverageChecker {
     // offsets), unless both are empty.
     std::vector<uint32_t> order(t_.chunks.size());
     for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
-    CAIRN_RETURN_IF_ERROR(Spend(order.size()));
+    CAIRN_RETURN_IF_ERROR(Spend(order.size() * (std::bit_width(order.size()) + 1)));
     std::sort(order.begin(), order.end(),
               [&](uint32_t a, uint32_t b) { return t_.chunks[a].offsets < t_.chunks[b].offsets; });
     for (size_t i = 1; i < order.size(); ++i) {
@@ -214,6 +215,7 @@ class CoverageChecker {
     return Status::OK();
   }
 
+  std::string What() const { return "tensor '" + t_.fqn + "'"; }
   uint64_t Start(uint32_t c, size_t d) const { return t_.chunks[c].offsets[d]; }
   uint64_t End(uint32_t c, size_t d) const {
     return t_.chunks[c].offsets[d] + t_.chunks[c].sizes[d];
@@ -223,16 +225,18 @@ class CoverageChecker {
   // dimensions before d; they must tile dimensions d.. exactly once.
   Status Tile(size_t d, std::vector<uint32_t> boxes) {
     CAIRN_RETURN_IF_ERROR(Spend(boxes.size()));
-    const std::string what = "tensor '" + t_.fqn + "'";
     if (d == t_.shape.size()) {
-      if (boxes.empty()) return Invalid(what + ": no chunk covers element " + ElementName(coord_));
+      if (boxes.empty())
+        return Invalid(What() + ": no chunk covers element " + ElementName(coord_));
       if (boxes.size() > 1) {
-        return Invalid(what + ": chunks " + std::to_string(std::min(boxes[0], boxes[1])) + " and " +
-                       std::to_string(std::max(boxes[0], boxes[1])) + " overlap at element " +
-                       ElementName(coord_));
+        return Invalid(What() + ": chunks " + std::to_string(std::min(boxes[0], boxes[1])) +
+                       " and " + std::to_string(std::max(boxes[0], boxes[1])) +
+                       " overlap at element " + ElementName(coord_));
       }
       return Status::OK();
     }
+    // Sorting costs n log n steps.
+    CAIRN_RETURN_IF_ERROR(Spend(boxes.size() * (std::bit_width(boxes.size()) + 1)));
     std::sort(boxes.begin(), boxes.end(),
               [&](uint32_t a, uint32_t b) { return Start(a, d) < Start(b, d); });
     std::vector<uint32_t> active;
@@ -243,7 +247,8 @@ class CoverageChecker {
       while (next < boxes.size() && Start(boxes[next], d) == pos) active.push_back(boxes[next++]);
       coord_[d] = pos;
       std::fill(coord_.begin() + d + 1, coord_.end(), 0);
-      if (active.empty()) return Invalid(what + ": no chunk covers element " + ElementName(coord_));
+      if (active.empty())
+        return Invalid(What() + ": no chunk covers element " + ElementName(coord_));
       uint64_t slab_end = next < boxes.size() ? Start(boxes[next], d) : extent;
       for (uint32_t c : active) slab_end = std::min(slab_end, End(c, d));
       CAIRN_RETURN_IF_ERROR(Tile(d + 1, active));
@@ -538,12 +543,12 @@ Status ValidateManifest(const Manifest& m) {
   for (const auto& b : m.bytes) {
     if (b.fqn.empty()) return Invalid("a bytes item has an empty name");
     if (!names.insert(b.fqn).second) return Invalid("name '" + b.fqn + "' listed twice");
-    CAIRN_RETURN_IF_ERROR(ValidateLocation(m, b.location, "bytes '" + b.fqn + "'"));
     if (b.location.length > format::kMaxBytesItemSize) {
       return Invalid("bytes '" + b.fqn + "': length " + std::to_string(b.location.length) +
                      " exceeds the limit for a non-tensor item (" +
                      std::to_string(format::kMaxBytesItemSize) + " bytes)");
     }
+    CAIRN_RETURN_IF_ERROR(ValidateLocation(m, b.location, "bytes '" + b.fqn + "'"));
   }
   // Items of one file must not overlap and must end within the file; bytes
   // after the last item are trailing padding (a reused staging slot is larger
