@@ -568,8 +568,10 @@ class Reader(StorageReader):
             # that still fails to convert is a damaged manifest, not a bug.
             body = json.loads(self._reader.manifest_json())
             self._metadata, self._items = _metadata_from_manifest(body)
-        except Error:
-            raise
+        except Error as e:
+            if uri in str(e):
+                raise
+            raise type(e)(f"{uri}: {e}") from e
         except Exception as e:  # noqa: BLE001 - untrusted input
             raise CorruptionError(f"{uri}: malformed manifest ({e!r})") from e
         user = body.get("extra", {}).get("user", {})
