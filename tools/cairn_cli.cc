@@ -170,22 +170,20 @@ int CmdVerify(const std::string& path, size_t threads) {
 }
 
 int CmdCp(const std::string& src, const std::string& dst, size_t threads, bool verify) {
-  auto in = cairn::OpenStorage(src, /*create=*/false);
-  if (!in.ok()) return Fail(in.status());
-  auto out = cairn::OpenStorage(dst, /*create=*/true);
-  if (!out.ok()) return Fail(out.status());
   cairn::ThreadPool pool(threads);
   cairn::CopyOptions opts;
   opts.verify_destination = verify;
   if (dst.rfind("shm://", 0) == 0) opts.sync = false;
   Progress progress("copying");
   auto start = std::chrono::steady_clock::now();
-  Status s = cairn::CopyCheckpoint(
-      in->get(), "", out->get(), "", &pool, [&](uint64_t d, uint64_t t) { progress(d, t); }, opts);
+  // CopyCheckpointUri refuses a destination that is, holds or lies in the
+  // source before anything is created or changed.
+  Status s = cairn::CopyCheckpointUri(
+      src, dst, &pool, [&](uint64_t d, uint64_t t) { progress(d, t); }, opts);
+  progress.Finish();
   if (!s.ok()) return Fail(s);
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("copied %s to %s in %.2f s\n", in->get()->Describe().c_str(),
-              out->get()->Describe().c_str(), secs);
+  std::printf("copied %s to %s in %.2f s\n", src.c_str(), dst.c_str(), secs);
   return 0;
 }
 

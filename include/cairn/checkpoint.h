@@ -247,15 +247,47 @@ struct CopyOptions {
   bool verify_destination = false;
 };
 
+// How two directories lie relative to each other.
+enum class DirRelation : uint8_t {
+  kDisjoint = 0,
+  kSame = 1,          // one place (a symlink, a bind mount or the same key)
+  kFirstInside = 2,   // the first lies strictly inside the second
+  kSecondInside = 3,  // the second lies strictly inside the first
+};
+
+// Relates two local directory paths, neither of which need exist. Symbolic
+// links and mounts are resolved: the existing part of each path is
+// canonicalized (realpath) and compared by identity (st_dev, st_ino) with every
+// ancestor of the other, the part that does not exist yet by name.
+Result<DirRelation> RelateLocalDirs(const std::string& a, const std::string& b);
+
+// Relates directory `a_dir` of `a` to `b_dir` of `b`. Storages with a local
+// path (posix, shm, and wrappers of them) are related as RelateLocalDirs does;
+// two storages without one are the same namespace when one is the other or
+// their Describe() names are equal, and then relate by name ("s3://b/p" holds
+// "s3://b/p/x"); a local and a non-local storage are disjoint.
+Result<DirRelation> RelateDirs(Storage* a, std::string_view a_dir, Storage* b,
+                               std::string_view b_dir);
+
 // Copies the committed checkpoint `src_dir` of `src` to `dst_dir` of `dst`:
 // removes a manifest already at the destination, copies the data files in
 // parallel (blocks verified against their checksums in transit), syncs them,
 // optionally verifies the destination, and commits the manifest there last.
 // Corruption at the source is DataLoss naming the file and tensor, and leaves
 // the destination uncommitted.
+//
+// A destination that is the source (itself, through a symbolic link or a
+// mount), lies inside it or contains it is refused with InvalidArgument
+// before anything is written (RelateDirs): the copy would destroy the source.
 Status CopyCheckpoint(Storage* src, std::string_view src_dir, Storage* dst,
                       std::string_view dst_dir, ThreadPool* pool, const ProgressFn& progress = {},
                       const CopyOptions& opts = {});
+
+// CopyCheckpoint between two storage URIs (OpenStorage): `src_uri` must hold
+// a committed checkpoint; `dst_uri` is created. An overlapping copy is
+// refused before the destination is created, so a refusal leaves no trace.
+Status CopyCheckpointUri(std::string_view src_uri, std::string_view dst_uri, ThreadPool* pool,
+                         const ProgressFn& progress = {}, const CopyOptions& opts = {});
 
 // ---- Convenience: named buffers -------------------------------------------
 

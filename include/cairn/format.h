@@ -65,6 +65,16 @@ inline constexpr uint64_t kMaxItems = uint64_t{1} << 24;  // tensors, chunks, by
 inline constexpr uint64_t kMaxDims = 64;                  // dimensions of a tensor
 inline constexpr uint64_t kMaxFileSize = uint64_t{1} << 50;
 inline constexpr uint64_t kMaxWorldSize = uint64_t{1} << 20;
+// A non-tensor (bytes) item is read whole into memory before it is decoded, so
+// its length is bounded (besides by its file's real size): a sparse file must
+// not make a reader allocate terabytes.
+inline constexpr uint64_t kMaxBytesItemSize = uint64_t{1} << 30;
+// Proving that a tensor's chunks tile its shape exactly once costs one step per
+// (chunk, slab) pair of a sweep over the dimensions, plus n log n per sort:
+// O(n log n) for the grids that sharding produces (a million chunks of one
+// tensor take about 2^25 steps). A manifest whose chunk maps need more steps than
+// this (a hostile, deliberately irregular layout) is refused.
+inline constexpr uint64_t kMaxCoverageSteps = uint64_t{1} << 28;
 
 static_assert(kMagicSize == 8);
 static_assert(kManifestHeaderSize == 24);
@@ -74,6 +84,7 @@ static_assert(kDefaultBlockSize % kItemAlignment == 0);
 static_assert(kMinBlockSize <= kDefaultBlockSize && kDefaultBlockSize <= kMaxBlockSize);
 static_assert((kItemAlignment & (kItemAlignment - 1)) == 0, "power of two");
 static_assert(kMinBlockSize % kItemAlignment == 0);
+static_assert(kMaxBytesItemSize <= kMaxFileSize);
 
 // Element types a tensor may have, by the name stored in the manifest (the
 // torch name without "torch.", e.g. "float32", "bfloat16"). Returns the size

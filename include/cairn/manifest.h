@@ -83,6 +83,17 @@ struct Manifest {
 // FailedPrecondition for an unknown version.
 Status ValidateManifest(const Manifest& m);
 
+// Checks that the chunks of `t` tile its global shape exactly once: every
+// element lies in exactly one chunk (no gap, no overlap, no repeated chunk, no
+// tensor without chunks), chunks of zero elements aside (they cover nothing,
+// and a tensor with zero elements may have any number of them, or none). Two
+// chunks may not start at the same offsets. Assumes every chunk lies inside
+// the shape (ValidateManifest checks that first). Returns DataLoss "invalid
+// manifest: tensor '<fqn>': ..." naming an uncovered or doubly covered element.
+// Cost: O(n log n) for the grids sharding produces; a layout that needs more
+// than format::kMaxCoverageSteps steps is refused.
+Status ValidateChunkCoverage(const ManifestTensor& t);
+
 // Encodes `m` as the JSON body only (no header/trailer). Fails with
 // InvalidArgument if `m` is not valid.
 Result<std::string> ManifestToJson(const Manifest& m);

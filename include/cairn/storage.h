@@ -188,4 +188,9 @@ std::unique_ptr<Storage> NewMemStorage();
 // (a registered fault injector's base, see cairn/fault_injection.h).
 Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create = true);
 
+// The local directory that OpenStorage(uri) is (or would be) rooted at, whether
+// or not it exists yet: the path of a plain or file:// URI, ShmDirectory(NAME)
+// of shm://NAME; empty for every other scheme and for a malformed URI.
+std::string LocalDirOfUri(std::string_view uri);
+
 }  // namespace cairn

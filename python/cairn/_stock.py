@@ -49,6 +49,7 @@ import io
 import os
 import pathlib
 import pickle
+import stat
 import struct
 import sys
 import threading
@@ -65,12 +66,36 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
+from cairn import _ext
 from cairn.errors import CorruptionError, InvalidArgumentError, NotFoundError
 
 __all__ = ["is_stock_checkpoint", "StockReader", "read_stock_metadata", "check_value_is_safe"]
 
 METADATA_FILE = ".metadata"
 _PICKLE_PROTO = 0x80  # first byte of a protocol >= 2 pickle
+# Bounds on what a metadata file may make us allocate before anything is
+# validated (a sparse file costs nothing on disk): the metadata pickle itself,
+# a non-tensor item, and a tensor item beyond its chunk's bytes (torch.save's
+# zip headers, pickle and alignment padding).
+_MAX_METADATA_SIZE = 1 << 30
+_MAX_BYTES_ITEM_SIZE = int(_ext.MAX_BYTES_ITEM_SIZE)
+_TENSOR_ITEM_SLACK = 16 << 20
+
+
+def _open_regular(path: str) -> int:
+    """Opens ``path`` read-only without following a symlink and without ever
+    blocking: a FIFO, socket or device is refused (OSError ENXIO-like, raised
+    as CorruptionError by callers) instead of waited on."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptionError(f"{path}: not a regular file (refusing to read it)")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 _DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
@@ -100,13 +125,12 @@ def is_stock_checkpoint(path: str | os.PathLike) -> bool:
     for name in (METADATA_FILE, f"__0{METADATA_FILE}"):
         f = os.path.join(d, name)
         try:
-            if not os.path.isfile(f) or os.path.islink(f):
-                continue
-            with open(f, "rb") as fh:
-                if fh.read(1) == bytes([_PICKLE_PROTO]):
-                    return True
-        except OSError:
+            fd = _open_regular(f)
+        except (OSError, CorruptionError):
             continue
+        with os.fdopen(fd, "rb") as fh:
+            if fh.read(1) == bytes([_PICKLE_PROTO]):
+                return True
     return False
 
 
@@ -328,6 +352,14 @@ class _Converter:
             if any(o + s > d for o, s, d in zip(offs, sizes, size)):
                 raise self.fail(f"{where}.chunks[{i}] lies outside the tensor")
             chunks.append(_md.ChunkStorageMetadata(offsets=offs, sizes=sizes))
+        # The chunks must tile the tensor exactly once (no gap, overlap or
+        # repeat): the same C++ proof as for cairn manifests.
+        try:
+            _ext.validate_chunk_coverage(
+                where, list(size), [(list(c.offsets), list(c.sizes)) for c in chunks]
+            )
+        except CorruptionError as e:
+            raise self.fail(str(e).removeprefix("invalid manifest: ")) from None
         return _md.TensorStorageMetadata(properties=props, size=size, chunks=chunks)
 
     def index(self, value: Any, where: str) -> _md.MetadataIndex:
@@ -397,13 +429,25 @@ class _Converter:
 
         # Every item the planner may ask for must have a location.
         for fqn, v in sdm.items():
+            # Each item with a bound on what reading it allocates (its file
+            # may be sparse, so the file's size alone bounds nothing).
             if isinstance(v, _md.BytesStorageMetadata):
-                wanted = [_md.MetadataIndex(fqn)]
+                wanted = [(_md.MetadataIndex(fqn), _MAX_BYTES_ITEM_SIZE)]
             else:
-                wanted = [_md.MetadataIndex(fqn, c.offsets) for c in v.chunks]
-            for w in wanted:
+                itemsize = v.properties.dtype.itemsize
+                wanted = [
+                    (_md.MetadataIndex(fqn, c.offsets),
+                     itemsize * c.sizes.numel() + _TENSOR_ITEM_SLACK)
+                    for c in v.chunks
+                ]
+            for w, limit in wanted:
                 if w not in storage:
                     raise self.fail(f"no data location for {fqn!r} at {w.offset}")
+                if storage[w].length > limit:
+                    raise self.fail(
+                        f"item {fqn!r} at {w.offset} declares {storage[w].length} bytes, "
+                        f"more than it can hold ({limit})"
+                    )
 
         meta = None
         sm = f.get("storage_meta")
@@ -460,13 +504,15 @@ def read_stock_metadata(path: str | os.PathLike, rank: int | None = None) -> _md
     name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
     f = os.path.join(d, name)
     try:
-        fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = _open_regular(f)
     except FileNotFoundError as e:
         raise NotFoundError(f"{f}: no DCP metadata file") from e
     except OSError as e:
         raise CorruptionError(f"{f}: cannot open DCP metadata: {e.strerror}") from e
     with os.fdopen(fd, "rb") as fh:
-        raw = fh.read()
+        if os.fstat(fh.fileno()).st_size > _MAX_METADATA_SIZE:
+            raise CorruptionError(f"{f}: DCP metadata larger than {_MAX_METADATA_SIZE} bytes")
+        raw = fh.read(_MAX_METADATA_SIZE + 1)
     try:
         root = _RestrictedUnpickler(io.BytesIO(raw), f).load()
     except CorruptionError:
@@ -837,7 +883,9 @@ class StockReader(StorageReader):
     def _open_data_file(self, rel: str, fqn: str) -> tuple[int, int]:
         fname = os.path.join(self.path, rel)
         try:
-            fd = os.open(fname, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = _open_regular(fname)
+        except CorruptionError as e:
+            raise CorruptionError(f"{e} (data file of tensor {fqn!r})") from e
         except FileNotFoundError as e:
             raise CorruptionError(f"{fname}: data file of tensor {fqn!r} is missing") from e
         except OSError as e:

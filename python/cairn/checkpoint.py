@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 from cairn import _ext
 from cairn.errors import NotFoundError
@@ -25,18 +26,28 @@ def latest_valid(root: str | os.PathLike) -> str | None:
     """Path of the newest committed checkpoint directly below ``root``, or None.
 
     Partial checkpoints (no manifest, or a damaged one) are skipped; data files
-    are not read (use :func:`verify`). Directories named ``step_<N>`` order by
+    are not read (use :func:`verify`). A newer directory whose manifest is
+    damaged or unusable (e.g. a FIFO where the manifest belongs) is skipped
+    with a ``RuntimeWarning`` naming it; one without a manifest (a save in
+    flight, or that crashed) silently. Directories named ``step_<N>`` order by
     N and count as newer than any other name; others order by the manifest's
     creation time. A ``root`` that does not exist (yet) has none: None.
     """
     uri = _root_uri(root)
     try:
-        name = _ext.latest_valid(uri)
+        entries = _ext.list_checkpoints(uri)  # newest last, LatestValid's order
     except NotFoundError:
         return None
-    if name is None:
-        return None
-    return uri.rstrip("/") + "/" + name
+    for e in reversed(entries):
+        if e["committed"]:
+            return uri.rstrip("/") + "/" + e["name"]
+        if not e["status"].startswith("NotFound"):
+            warnings.warn(
+                f"cairn: skipping {uri.rstrip('/')}/{e['name']}: {e['status']}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return None
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[dict]:

@@ -63,7 +63,13 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from cairn import _ext
-from cairn.errors import InvalidArgumentError, NotFoundError, PreconditionError
+from cairn.errors import (
+    CorruptionError,
+    Error,
+    InvalidArgumentError,
+    NotFoundError,
+    PreconditionError,
+)
 
 from cairn._stock import StockReader, check_value_is_safe, is_stock_checkpoint
 
@@ -190,13 +196,13 @@ def _decode(value: Any) -> Any:
             out = {}
             for pair in value["__dict__"]:
                 if not isinstance(pair, list) or len(pair) != 2:
-                    raise InvalidArgumentError("malformed planner data in the manifest")
+                    raise CorruptionError("malformed planner data in the manifest")
                 key = _decode(pair[0])
                 if isinstance(key, list):
-                    raise InvalidArgumentError("malformed planner data in the manifest")
+                    raise CorruptionError("malformed planner data in the manifest")
                 out[key] = _decode(pair[1])
             return out
-        raise InvalidArgumentError("malformed planner data in the manifest")
+        raise CorruptionError("malformed planner data in the manifest")
     return value
 
 
@@ -647,10 +653,32 @@ class Reader(StorageReader):
                 and is_stock_checkpoint(local)
             ):
                 self._stock = StockReader(local, allow_pickle=self.allow_pickle)
+                # Validated now, not lazily inside dcp.load: DCP reports a
+                # failed read_metadata as a bare AssertionError. Saved without
+                # collectives, a checkpoint has only rank-local metadata: check
+                # this rank's (DCP asks for it once the global one is missing).
+                try:
+                    self._metadata = self._stock.read_metadata()
+                except NotFoundError:
+                    td = torch.distributed
+                    rank = td.get_rank() if td.is_available() and td.is_initialized() else 0
+                    try:
+                        self._stock.read_metadata(rank=rank)
+                    except NotFoundError:
+                        pass
                 return
             raise
-        body = json.loads(self._reader.manifest_json())
-        self._metadata, self._items = _metadata_from_manifest(body)
+        try:
+            # The engine validated the manifest (extra.dcp included); anything
+            # that still fails to convert is a damaged manifest, not a bug.
+            body = json.loads(self._reader.manifest_json())
+            self._metadata, self._items = _metadata_from_manifest(body)
+        except Error as e:
+            if uri in str(e):
+                raise
+            raise type(e)(f"{uri}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - untrusted input
+            raise CorruptionError(f"{uri}: malformed manifest ({e!r})") from e
         user = body.get("extra", {}).get("user", {})
         self._user_metadata = user if isinstance(user, dict) else {}
 
@@ -668,6 +696,8 @@ class Reader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._stock is not None:
+            if self._metadata is not None and kwargs.get("rank") is None:
+                return self._metadata  # read and validated when opened
             return self._stock.read_metadata(*args, **kwargs)
         if self._metadata is None:
             self._open(_uri(self.path))
@@ -806,7 +836,7 @@ def _metadata_from_manifest(body: dict[str, Any]) -> tuple[Metadata, dict[Metada
         items[MetadataIndex(b["fqn"])] = _Item(1, bi, 0, b["length"])
     dcp_extra = body.get("extra", {}).get("dcp", {}) or {}
     if not isinstance(dcp_extra, dict):
-        raise InvalidArgumentError("malformed 'extra.dcp' section in the manifest")
+        raise CorruptionError("malformed 'extra.dcp' section in the manifest")
     sm = dcp_extra.get("storage_meta")
     storage_meta = None
     if isinstance(sm, dict):

@@ -277,6 +277,7 @@ class CheckpointManager:
         self.root = self._tier_uri(root, "root")
         self.local = None if local is None else self._tier_uri(local, "local")
         self.memory = bool(memory)
+        self._check_tiers_apart()
         self.keep = keep
         self.keep_local = keep_local or keep
         self.durable_every = durable_every
@@ -355,6 +356,23 @@ class CheckpointManager:
         if "://" in s and not s.startswith(("file://", "fault://")):
             raise InvalidArgumentError(f"unsupported {what} URI: {s}")
         return s if "://" in s else os.path.abspath(s)
+
+    def _check_tiers_apart(self) -> None:
+        """Every tier must be a directory of its own: a tier that is another one
+        (through a symlink, say) or lies inside it would have its checkpoints
+        rewritten or pruned by the other's saves. Same check as cairn.copy_checkpoint."""
+        dirs = [(n, self._local_path(u)) for n, u in (("durable", self.root), ("local", self.local))
+                if u is not None and not u.startswith("fault://")]
+        if self.memory:
+            dirs.append(("memory", _ext.shm_directory(memory_tier_name(self.root))))
+        for i, (na, a) in enumerate(dirs):
+            for nb, b in dirs[i + 1:]:
+                rel = _ext.relate_local_dirs(a, b)
+                if rel != "disjoint":
+                    how = "is the same directory as" if rel == "same" else "overlaps"
+                    raise InvalidArgumentError(
+                        f"the {na} tier {a} {how} the {nb} tier {b}: every tier needs a "
+                        "directory of its own")
 
     @staticmethod
     def _local_path(uri: str) -> str:
@@ -720,6 +738,10 @@ class CheckpointManager:
             for e in entries:
                 if e["committed"] and e["step"] is not None:
                     out.append((e["step"], name, _join(tier, e["name"])))
+                elif e["step"] is not None and not e["status"].startswith("NotFound"):
+                    # Damaged or unusable (e.g. a FIFO as its manifest): skipped,
+                    # restore moves on to the next checkpoint.
+                    log.warning("cairn: skipping %s: %s", _join(tier, e["name"]), e["status"])
         return out
 
     def restore(self, state: dict[str, Any]) -> int | None:

@@ -5,10 +5,16 @@
 // the manifest's record, a missing file and a checksum mismatch are all
 // DataLoss, and the message names the checkpoint, the file and the item, so a
 // user knows what to delete or restore.
+#include <limits.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <new>
+#include <utility>
 
 #include "cairn/checkpoint.h"
 #include "checkpoint/io_util.h"
@@ -32,6 +38,11 @@ Result<std::unique_ptr<ReadableFile>> OpenDataFile(Storage* storage, std::string
   if (!file.ok()) {
     if (file.status().code() == StatusCode::kNotFound) {
       return DataLossError(f.key + ": data file missing (holds " + needed_by + ")");
+    }
+    if (file.status().code() == StatusCode::kFailedPrecondition ||
+        file.status().code() == StatusCode::kInvalidArgument) {
+      // Not a regular file (a FIFO, a device, a directory): never read it.
+      return DataLossError(f.key + ": " + file.status().message() + " (holds " + needed_by + ")");
     }
     return file.status().WithContext(f.key + " (holds " + needed_by + ")");
   }
@@ -388,6 +399,154 @@ Result<std::optional<std::string>> LatestValid(Storage* storage, std::string_vie
 
 // ---- Copy ------------------------------------------------------------------
 
+namespace {
+
+// A local path resolved as far as it exists.
+struct ResolvedDir {
+  std::string canon;  // realpath of the existing part, then the rest by name
+  bool exists = false;
+  // (st_dev, st_ino) of the existing part and of each of its ancestors up to
+  // "/", the existing part first.
+  std::vector<std::pair<dev_t, ino_t>> chain;
+};
+
+std::vector<std::string> Components(std::string_view path) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (pos <= path.size()) {
+    size_t slash = path.find('/', pos);
+    if (slash == std::string_view::npos) slash = path.size();
+    std::string c(path.substr(pos, slash - pos));
+    if (!c.empty() && c != ".") out.push_back(std::move(c));
+    pos = slash + 1;
+  }
+  return out;
+}
+
+std::string JoinComponents(const std::vector<std::string>& comps, size_t n) {
+  std::string out;
+  for (size_t i = 0; i < n; ++i) out += "/" + comps[i];
+  return out.empty() ? "/" : out;
+}
+
+Result<ResolvedDir> ResolveDir(const std::string& path) {
+  if (path.empty()) return InvalidArgumentError("empty directory path");
+  std::string abs = path;
+  if (abs[0] != '/') {
+    char cwd[PATH_MAX];
+    if (!::getcwd(cwd, sizeof(cwd))) return ErrnoToStatus(errno, "getcwd");
+    abs = std::string(cwd) + "/" + abs;
+  }
+  std::vector<std::string> comps = Components(abs);
+  // The longest prefix that exists (symlinks in it are followed: what matters
+  // is where the bytes land).
+  size_t n = comps.size();
+  std::string real;
+  while (true) {
+    std::string prefix = JoinComponents(comps, n);
+    char buf[PATH_MAX];
+    if (::realpath(prefix.c_str(), buf)) {
+      real = buf;
+      break;
+    }
+    if (errno != ENOENT && errno != ENOTDIR) return ErrnoToStatus(errno, "resolving " + prefix);
+    if (n == 0) return NotFoundError("resolving " + path + ": no part of it exists");
+    --n;
+  }
+  ResolvedDir r;
+  r.exists = n == comps.size();
+  std::vector<std::string> canon = Components(real);
+  for (size_t i = n; i < comps.size(); ++i) {
+    if (comps[i] == "..") {
+      if (!canon.empty()) canon.pop_back();
+    } else {
+      canon.push_back(comps[i]);
+    }
+  }
+  r.canon = JoinComponents(canon, canon.size());
+  std::vector<std::string> rc = Components(real);
+  for (size_t k = rc.size() + 1; k-- > 0;) {
+    struct stat st;
+    std::string p = JoinComponents(rc, k);
+    if (::stat(p.c_str(), &st) != 0) return ErrnoToStatus(errno, "stat " + p);
+    r.chain.emplace_back(st.st_dev, st.st_ino);
+  }
+  return r;
+}
+
+// Whether `inner` names a place strictly below `outer` ('/'-separated names).
+bool NameInside(const std::string& inner, const std::string& outer) {
+  if (inner.size() <= outer.size() || inner.compare(0, outer.size(), outer) != 0) return false;
+  return outer.back() == '/' || inner[outer.size()] == '/';
+}
+
+// `name` without trailing slashes (but "/" stays).
+std::string TrimSlashes(std::string name) {
+  while (name.size() > 1 && name.back() == '/') name.pop_back();
+  return name;
+}
+
+DirRelation RelateNames(const std::string& a, const std::string& b) {
+  if (a == b) return DirRelation::kSame;
+  if (NameInside(a, b)) return DirRelation::kFirstInside;
+  if (NameInside(b, a)) return DirRelation::kSecondInside;
+  return DirRelation::kDisjoint;
+}
+
+}  // namespace
+
+Result<DirRelation> RelateLocalDirs(const std::string& a, const std::string& b) {
+  CAIRN_ASSIGN_OR_RETURN(ResolvedDir ra, ResolveDir(a));
+  CAIRN_ASSIGN_OR_RETURN(ResolvedDir rb, ResolveDir(b));
+  auto holds = [](const ResolvedDir& chain_of, const ResolvedDir& dir) {
+    return dir.exists && std::find(chain_of.chain.begin(), chain_of.chain.end(), dir.chain[0]) !=
+                             chain_of.chain.end();
+  };
+  if ((ra.exists && rb.exists && ra.chain[0] == rb.chain[0]) || ra.canon == rb.canon) {
+    return DirRelation::kSame;
+  }
+  if (holds(ra, rb) || NameInside(ra.canon, rb.canon)) return DirRelation::kFirstInside;
+  if (holds(rb, ra) || NameInside(rb.canon, ra.canon)) return DirRelation::kSecondInside;
+  return DirRelation::kDisjoint;
+}
+
+Result<DirRelation> RelateDirs(Storage* a, std::string_view a_dir, Storage* b,
+                               std::string_view b_dir) {
+  const std::string la = a->LocalPath(), lb = b->LocalPath();
+  if (!la.empty() && !lb.empty()) {
+    return RelateLocalDirs(internal::JoinDir(la, a_dir), internal::JoinDir(lb, b_dir));
+  }
+  if (!la.empty() || !lb.empty()) return DirRelation::kDisjoint;
+  std::string na = TrimSlashes(a->Describe()), nb = TrimSlashes(b->Describe());
+  if (a == b || na == nb) {
+    // One namespace: the keys decide.
+    return RelateNames("/" + std::string(a_dir), "/" + std::string(b_dir));
+  }
+  return RelateNames(TrimSlashes(Where(a, a_dir)), TrimSlashes(Where(b, b_dir)));
+}
+
+namespace {
+
+// InvalidArgument unless a copy from `src` to `dst` leaves the source alone.
+Status CheckCopyTargets(DirRelation rel, const std::string& src, const std::string& dst) {
+  switch (rel) {
+    case DirRelation::kDisjoint:
+      return Status::OK();
+    case DirRelation::kSame:
+      return InvalidArgumentError("refusing to copy a checkpoint onto itself: " + dst +
+                                  " is the source " + src);
+    case DirRelation::kFirstInside:
+      return InvalidArgumentError("refusing to copy: the source " + src +
+                                  " lies inside the destination " + dst);
+    case DirRelation::kSecondInside:
+      return InvalidArgumentError("refusing to copy: the destination " + dst +
+                                  " lies inside the source " + src);
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 Status CopyCheckpoint(Storage* src, std::string_view src_dir, Storage* dst,
                       std::string_view dst_dir, ThreadPool* pool, const ProgressFn& progress,
                       const CopyOptions& opts) {
@@ -395,6 +554,13 @@ Status CopyCheckpoint(Storage* src, std::string_view src_dir, Storage* dst,
   auto mr = ReadManifest(src, src_dir);
   if (!mr.ok()) return mr.status().WithContext(where);
   const Manifest& m = *mr;
+  // Before a byte changes: a destination that is (or holds, or lies in) the
+  // source would have its manifest removed and its data files truncated.
+  {
+    auto rel = RelateDirs(src, src_dir, dst, dst_dir);
+    if (!rel.ok()) return rel.status().WithContext(where);
+    CAIRN_RETURN_IF_ERROR(CheckCopyTargets(*rel, Where(src, src_dir), Where(dst, dst_dir)));
+  }
   Status s = UncommitCheckpoint(dst, dst_dir);
   if (!s.ok()) return s.WithContext(where);
 
@@ -524,6 +690,28 @@ Status CopyCheckpoint(Storage* src, std::string_view src_dir, Storage* dst,
     if (!s.ok()) return s.WithContext(where);
   }
   return CommitManifest(dst, dst_dir, m).WithContext(where);
+}
+
+Status CopyCheckpointUri(std::string_view src_uri, std::string_view dst_uri, ThreadPool* pool,
+                         const ProgressFn& progress, const CopyOptions& opts) {
+  auto in = OpenStorage(src_uri, /*create=*/false);
+  if (!in.ok()) {
+    return in.status().code() == StatusCode::kNotFound
+               ? NotFoundError("no such checkpoint: " + std::string(src_uri))
+               : in.status();
+  }
+  // Checked before OpenStorage creates the destination, so that a refused
+  // copy (e.g. `cairn cp ck ck/sub`) does not even leave a directory behind.
+  std::string dst_local = LocalDirOfUri(dst_uri);
+  if (!(*in)->LocalPath().empty() && !dst_local.empty()) {
+    auto rel = RelateLocalDirs((*in)->LocalPath(), dst_local);
+    if (!rel.ok()) return rel.status();
+    CAIRN_RETURN_IF_ERROR(
+        CheckCopyTargets(*rel, (*in)->Describe(), std::string(dst_uri)).WithContext("copying"));
+  }
+  auto out = OpenStorage(dst_uri, /*create=*/true);
+  if (!out.ok()) return out.status();
+  return CopyCheckpoint(in->get(), "", out->get(), "", pool, progress, opts);
 }
 
 // ---- Named buffers ---------------------------------------------------------

@@ -193,6 +193,13 @@ Result<Manifest> ReadManifest(Storage* storage, std::string_view dir) {
                                       : "no such checkpoint: " + storage->Describe() +
                                             (dir.empty() ? "" : "/") + std::string(dir));
     }
+    // A FIFO, socket or device (or a directory) where the manifest belongs:
+    // the checkpoint is damaged, never something to wait on.
+    if (file.status().code() == StatusCode::kFailedPrecondition ||
+        (file.status().code() == StatusCode::kInvalidArgument && ValidateKey(name).ok())) {
+      return DataLossError(file.status().message() + " (a damaged checkpoint: " +
+                           std::string(format::kManifestName) + " must be a regular file)");
+    }
     return file.status();
   }
   uint64_t size = (*file)->Size();

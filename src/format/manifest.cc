@@ -10,6 +10,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -141,7 +142,135 @@ Status ValidateLocation(const Manifest& m, const ItemLocation& loc, const std::s
   return Status::OK();
 }
 
-Status ValidateTensor(const Manifest& m, const ManifestTensor& t) {
+std::string ElementName(const std::vector<uint64_t>& coord) {
+  std::string s = "[";
+  for (size_t i = 0; i < coord.size(); ++i) s += (i ? ", " : "") + std::to_string(coord[i]);
+  return s + "]";
+}
+
+// Proves that the non-empty chunks of a tensor tile its shape exactly once.
+//
+// A sweep, one dimension at a time: along dimension d the chunk boundaries
+// cut the tensor into slabs; the chunks that span a slab must tile it in the
+// remaining dimensions, which is checked recursively. At the last level every
+// cell must be covered by exactly one chunk. A regular grid of n chunks costs
+// O(n log n); each (chunk, slab) visit spends one step of a budget shared by
+// the whole manifest, so a hostile layout cannot make validation quadratic.
+class CoverageChecker {
+ public:
+  CoverageChecker(const ManifestTensor& t, uint64_t* budget)
+      : t_(t), budget_(budget), coord_(t.shape.size(), 0) {}
+
+  Status Run() {
+    const std::string what = "tensor '" + t_.fqn + "'";
+    uint64_t numel = 1;
+    for (uint64_t d : t_.shape) numel *= d;  // validated: no overflow
+    // No two chunks may start at the same offsets (DCP names a chunk by its
+    // offsets), unless both are empty.
+    std::vector<uint32_t> order(t_.chunks.size());
+    for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+    CAIRN_RETURN_IF_ERROR(Spend(order.size() * (std::bit_width(order.size()) + 1)));
+    std::sort(order.begin(), order.end(),
+              [&](uint32_t a, uint32_t b) { return t_.chunks[a].offsets < t_.chunks[b].offsets; });
+    for (size_t i = 1; i < order.size(); ++i) {
+      const TensorChunk& a = t_.chunks[order[i - 1]];
+      const TensorChunk& b = t_.chunks[order[i]];
+      if (a.offsets == b.offsets && (a.location.length != 0 || b.location.length != 0)) {
+        return Invalid(what + ": chunks " + std::to_string(std::min(order[i - 1], order[i])) +
+                       " and " + std::to_string(std::max(order[i - 1], order[i])) +
+                       " both start at " + ElementName(a.offsets));
+      }
+    }
+    if (numel == 0) return Status::OK();  // nothing to cover
+    if (t_.chunks.empty()) {
+      return Invalid(what + ": has no chunks (its " + std::to_string(numel) +
+                     " elements are not stored)");
+    }
+    // Cheap first: the chunks' volumes must add up to the element count.
+    std::vector<uint32_t> boxes;
+    uint64_t volume = 0;
+    for (uint32_t i = 0; i < t_.chunks.size(); ++i) {
+      uint64_t n = 1;
+      for (uint64_t s : t_.chunks[i].sizes) n *= s;  // validated: <= numel
+      if (n == 0) continue;
+      boxes.push_back(i);
+      if (!AddOk(volume, n, &volume) || volume > numel) break;
+    }
+    if (volume != numel) {
+      std::string held =
+          volume > numel ? "more than " + std::to_string(numel) : std::to_string(volume);
+      return Invalid(what + ": its chunks hold " + held + " of its " + std::to_string(numel) +
+                     " elements (chunks are missing, overlap or repeat)");
+    }
+    return Tile(0, boxes);
+  }
+
+ private:
+  Status Spend(uint64_t n) {
+    if (*budget_ < n + 1) {
+      return Invalid("tensor '" + t_.fqn + "': chunk layout too irregular to validate (more than " +
+                     std::to_string(format::kMaxCoverageSteps) + " steps)");
+    }
+    *budget_ -= n + 1;
+    return Status::OK();
+  }
+
+  std::string What() const { return "tensor '" + t_.fqn + "'"; }
+  uint64_t Start(uint32_t c, size_t d) const { return t_.chunks[c].offsets[d]; }
+  uint64_t End(uint32_t c, size_t d) const {
+    return t_.chunks[c].offsets[d] + t_.chunks[c].sizes[d];
+  }
+
+  // `boxes` all span the current slab (coord_[0..d) .. its end) in the
+  // dimensions before d; they must tile dimensions d.. exactly once.
+  Status Tile(size_t d, std::vector<uint32_t> boxes) {
+    CAIRN_RETURN_IF_ERROR(Spend(boxes.size()));
+    if (d == t_.shape.size()) {
+      if (boxes.empty())
+        return Invalid(What() + ": no chunk covers element " + ElementName(coord_));
+      if (boxes.size() > 1) {
+        return Invalid(What() + ": chunks " + std::to_string(std::min(boxes[0], boxes[1])) +
+                       " and " + std::to_string(std::max(boxes[0], boxes[1])) +
+                       " overlap at element " + ElementName(coord_));
+      }
+      return Status::OK();
+    }
+    // Sorting costs n log n steps.
+    CAIRN_RETURN_IF_ERROR(Spend(boxes.size() * (std::bit_width(boxes.size()) + 1)));
+    std::sort(boxes.begin(), boxes.end(),
+              [&](uint32_t a, uint32_t b) { return Start(a, d) < Start(b, d); });
+    std::vector<uint32_t> active;
+    size_t next = 0;
+    uint64_t pos = 0;
+    const uint64_t extent = t_.shape[d];
+    while (pos < extent) {
+      while (next < boxes.size() && Start(boxes[next], d) == pos) active.push_back(boxes[next++]);
+      coord_[d] = pos;
+      std::fill(coord_.begin() + d + 1, coord_.end(), 0);
+      if (active.empty())
+        return Invalid(What() + ": no chunk covers element " + ElementName(coord_));
+      uint64_t slab_end = next < boxes.size() ? Start(boxes[next], d) : extent;
+      for (uint32_t c : active) slab_end = std::min(slab_end, End(c, d));
+      CAIRN_RETURN_IF_ERROR(Tile(d + 1, active));
+      pos = slab_end;
+      CAIRN_RETURN_IF_ERROR(Spend(active.size()));
+      active.erase(std::remove_if(active.begin(), active.end(),
+                                  [&](uint32_t c) { return End(c, d) <= pos; }),
+                   active.end());
+    }
+    return Status::OK();
+  }
+
+  const ManifestTensor& t_;
+  uint64_t* budget_;
+  std::vector<uint64_t> coord_;
+};
+
+Status ValidateCoverage(const ManifestTensor& t, uint64_t* budget) {
+  return CoverageChecker(t, budget).Run();
+}
+
+Status ValidateTensor(const Manifest& m, const ManifestTensor& t, uint64_t* budget) {
   std::string what = "tensor '" + t.fqn + "'";
   if (t.fqn.empty()) return Invalid("a tensor has an empty name");
   size_t itemsize = format::DtypeItemSize(t.dtype);
@@ -178,7 +307,7 @@ Status ValidateTensor(const Manifest& m, const ManifestTensor& t) {
     }
     CAIRN_RETURN_IF_ERROR(ValidateLocation(m, ch.location, cw));
   }
-  return Status::OK();
+  return ValidateCoverage(t, budget);
 }
 
 json LocationToJson(const ItemLocation& loc) {
@@ -275,6 +404,97 @@ class Reader {
   bool from_storage_;
 };
 
+// Parses `text`, discarding values nested deeper than kMaxJsonDepth (and
+// setting *too_deep): a hostile body must not drive recursive code (dump,
+// destroy) into a stack overflow. Never throws; a parse error is discarded().
+json ParseLimited(std::string_view text, bool* too_deep) {
+  json::parser_callback_t limit_depth = [too_deep](int depth, json::parse_event_t, json&) {
+    if (depth > kMaxJsonDepth) *too_deep = true;
+    return depth <= kMaxJsonDepth;
+  };
+  return json::parse(text, limit_depth, /*allow_exceptions=*/false);
+}
+
+// Whether `v` is DCP planner data as python/cairn/dcp.py encodes it: scalars
+// and lists are themselves, a tuple is {"__tuple__": [...]}, a dict is
+// {"__dict__": [[key, value], ...]}. A dict key must decode to a hashable
+// value (a scalar, or a tuple of hashables). Depth is bounded by the parse.
+bool ValidPlannerValue(const json& v, bool hashable) {
+  if (v.is_array()) {
+    if (hashable) return false;
+    for (const json& e : v) {
+      if (!ValidPlannerValue(e, false)) return false;
+    }
+    return true;
+  }
+  if (v.is_object()) {
+    if (v.size() != 1) return false;
+    if (auto it = v.find("__tuple__"); it != v.end()) {
+      if (!it->is_array()) return false;
+      for (const json& e : *it) {
+        if (!ValidPlannerValue(e, hashable)) return false;
+      }
+      return true;
+    }
+    if (auto it = v.find("__dict__"); it != v.end()) {
+      if (hashable || !it->is_array()) return false;
+      for (const json& pair : *it) {
+        if (!pair.is_array() || pair.size() != 2 || !ValidPlannerValue(pair[0], true) ||
+            !ValidPlannerValue(pair[1], false)) {
+          return false;
+        }
+      }
+      return true;
+    }
+    return false;
+  }
+  return true;  // null, boolean, number, string
+}
+
+bool NullOrString(const json& obj, const char* name) {
+  auto it = obj.find(name);
+  return it == obj.end() || it->is_null() || it->is_string();
+}
+
+// The sections of `extra` that cairn's Python layer reads back and trusts
+// (docs/format.md, "extra"); anything else in `extra` stays opaque.
+Status ValidateExtra(const json& extra) {
+  if (auto it = extra.find("dcp"); it != extra.end() && !it->is_null()) {
+    const json& d = *it;
+    if (!d.is_object()) return Invalid("extra.dcp: not an object");
+    if (!NullOrString(d, "version")) return Invalid("extra.dcp.version: not a string");
+    if (auto pd = d.find("planner_data"); pd != d.end() && !ValidPlannerValue(*pd, false)) {
+      return Invalid(
+          "extra.dcp.planner_data: malformed (not the tagged encoding of dicts, "
+          "lists, tuples and scalars, or a dict key that is not hashable)");
+    }
+    if (auto sm = d.find("storage_meta"); sm != d.end() && !sm->is_null()) {
+      if (!sm->is_object()) return Invalid("extra.dcp.storage_meta: not an object");
+      if (!NullOrString(*sm, "checkpoint_id") || !NullOrString(*sm, "save_id")) {
+        return Invalid("extra.dcp.storage_meta: checkpoint_id and save_id must be strings");
+      }
+      if (auto mods = sm->find("modules"); mods != sm->end() && !mods->is_null()) {
+        if (!mods->is_array()) return Invalid("extra.dcp.storage_meta.modules: not an array");
+        for (const json& e : *mods) {
+          if (!e.is_string()) return Invalid("extra.dcp.storage_meta.modules: not all strings");
+        }
+      }
+    }
+  }
+  if (auto it = extra.find("user"); it != extra.end() && !it->is_object()) {
+    return Invalid("extra.user: not an object");
+  }
+  if (auto it = extra.find("manager"); it != extra.end()) {
+    if (!it->is_object()) return Invalid("extra.manager: not an object");
+    if (auto step = it->find("step"); step != it->end() && !step->is_number_unsigned() &&
+                                      !(step->is_number_integer() && step->get<int64_t>() >= 0)) {
+      return Invalid("extra.manager.step: not a non-negative integer");
+    }
+    if (!NullOrString(*it, "run_id")) return Invalid("extra.manager.run_id: not a string");
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 uint64_t Manifest::TotalBytes() const {
@@ -313,8 +533,9 @@ Status ValidateManifest(const Manifest& m) {
   }
   std::unordered_set<std::string> names;
   uint64_t chunk_count = 0;
+  uint64_t coverage_budget = format::kMaxCoverageSteps;
   for (const auto& t : m.tensors) {
-    CAIRN_RETURN_IF_ERROR(ValidateTensor(m, t));
+    CAIRN_RETURN_IF_ERROR(ValidateTensor(m, t, &coverage_budget));
     if (!names.insert(t.fqn).second) return Invalid("name '" + t.fqn + "' listed twice");
     chunk_count += t.chunks.size();
     if (chunk_count > format::kMaxItems) return Invalid("too many chunks");
@@ -322,6 +543,11 @@ Status ValidateManifest(const Manifest& m) {
   for (const auto& b : m.bytes) {
     if (b.fqn.empty()) return Invalid("a bytes item has an empty name");
     if (!names.insert(b.fqn).second) return Invalid("name '" + b.fqn + "' listed twice");
+    if (b.location.length > format::kMaxBytesItemSize) {
+      return Invalid("bytes '" + b.fqn + "': length " + std::to_string(b.location.length) +
+                     " exceeds the limit for a non-tensor item (" +
+                     std::to_string(format::kMaxBytesItemSize) + " bytes)");
+    }
     CAIRN_RETURN_IF_ERROR(ValidateLocation(m, b.location, "bytes '" + b.fqn + "'"));
   }
   // Items of one file must not overlap and must end within the file; bytes
@@ -356,7 +582,16 @@ Status ValidateManifest(const Manifest& m) {
     }
   }
   if (m.extra.empty()) return Invalid("extra is empty (must be a JSON object)");
-  return Status::OK();
+  bool too_deep = false;
+  json extra = ParseLimited(m.extra, &too_deep);
+  if (too_deep) return Invalid("extra: nested deeper than " + std::to_string(kMaxJsonDepth));
+  if (!extra.is_object()) return Invalid("extra: not a JSON object");
+  return ValidateExtra(extra);
+}
+
+Status ValidateChunkCoverage(const ManifestTensor& t) {
+  uint64_t budget = format::kMaxCoverageSteps;
+  return ValidateCoverage(t, &budget);
 }
 
 Result<std::string> ManifestToJson(const Manifest& m) {
@@ -409,11 +644,7 @@ Result<Manifest> ManifestFromJson(std::string_view text, bool from_storage) {
   // reported: a hostile body must not drive recursive code (dump, destroy)
   // into a stack overflow.
   bool too_deep = false;
-  json::parser_callback_t limit_depth = [&too_deep](int depth, json::parse_event_t, json&) {
-    if (depth > kMaxJsonDepth) too_deep = true;
-    return depth <= kMaxJsonDepth;
-  };
-  json body = json::parse(text, limit_depth, /*allow_exceptions=*/false);
+  json body = ParseLimited(text, &too_deep);
   if (too_deep) {
     return r.Bad("<body>", "nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
   }

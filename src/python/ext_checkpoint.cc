@@ -183,6 +183,87 @@ void RegisterCheckpoint(nb::module_& m) {
       },
       nb::arg("uri"), "Whether `uri` holds a cairn manifest (committed or damaged).");
 
+  m.attr("MAX_BYTES_ITEM_SIZE") = format::kMaxBytesItemSize;
+
+  m.def(
+      "decode_manifest",
+      [](nb::bytes data) {
+        std::string_view bytes(data.c_str(), data.size());
+        Result<std::string> r = InternalError("unset");
+        {
+          nb::gil_scoped_release release;
+          auto m = DecodeManifest(bytes);
+          r = m.ok() ? ManifestToJson(*m) : Result<std::string>(m.status());
+        }
+        return ValueOrThrow(std::move(r));
+      },
+      nb::arg("data"),
+      "Decodes and validates complete manifest file bytes (no I/O); returns the body as\n"
+      "JSON. Raises CorruptionError for a damaged or invalid manifest.");
+
+  m.def(
+      "validate_chunk_coverage",
+      [](const std::string& fqn, const std::vector<uint64_t>& shape,
+         const std::vector<std::pair<std::vector<uint64_t>, std::vector<uint64_t>>>& chunks) {
+        ManifestTensor t;
+        t.fqn = fqn;
+        t.shape = shape;
+        for (const auto& [offsets, sizes] : chunks) {
+          TensorChunk c;
+          if (offsets.size() != shape.size() || sizes.size() != shape.size()) {
+            ThrowIfError(DataLossError("tensor '" + fqn + "': a chunk's rank differs"));
+          }
+          uint64_t n = 1;
+          for (size_t d = 0; d < shape.size(); ++d) {
+            if (offsets[d] > shape[d] || sizes[d] > shape[d] - offsets[d]) {
+              ThrowIfError(DataLossError("tensor '" + fqn + "': a chunk lies outside the shape"));
+            }
+            n *= sizes[d];
+          }
+          c.offsets = offsets;
+          c.sizes = sizes;
+          c.location.length = n;  // only whether it is empty matters here
+          t.chunks.push_back(std::move(c));
+        }
+        uint64_t numel = 1;
+        for (uint64_t d : shape) {
+          if (__builtin_mul_overflow(numel, d, &numel)) {
+            ThrowIfError(DataLossError("tensor '" + fqn + "': shape overflows"));
+          }
+        }
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          s = ValidateChunkCoverage(t);
+        }
+        ThrowIfError(s);
+      },
+      nb::arg("fqn"), nb::arg("shape"), nb::arg("chunks"),
+      "Raises CorruptionError unless the (offsets, sizes) chunks tile `shape` exactly once.");
+
+  m.def(
+      "relate_local_dirs",
+      [](const std::string& a, const std::string& b) {
+        Result<DirRelation> r = DirRelation::kDisjoint;
+        {
+          nb::gil_scoped_release release;
+          r = RelateLocalDirs(a, b);
+        }
+        switch (ValueOrThrow(std::move(r))) {
+          case DirRelation::kSame:
+            return std::string("same");
+          case DirRelation::kFirstInside:
+            return std::string("first_inside");
+          case DirRelation::kSecondInside:
+            return std::string("second_inside");
+          default:
+            return std::string("disjoint");
+        }
+      },
+      nb::arg("a"), nb::arg("b"),
+      "How two local directories (existing or not) lie: 'disjoint', 'same', 'first_inside'\n"
+      "or 'second_inside' (symlinks and mounts resolved).");
+
   nb::class_<PyCheckpointReader>(m, "CheckpointReader")
       .def(nb::init<const std::string&>(), nb::arg("uri"),
            "Opens the committed checkpoint at `uri`: reads and validates the manifest and\n"
@@ -294,19 +375,11 @@ void RegisterCheckpoint(nb::module_& m) {
         Status s;
         {
           nb::gil_scoped_release release;
-          auto in = OpenStorage(src, /*create=*/false);
-          auto out = OpenStorage(dst, /*create=*/true);
-          if (!in.ok()) {
-            s = in.status();
-          } else if (!out.ok()) {
-            s = out.status();
-          } else {
-            CopyOptions opts;
-            opts.direct_io = direct_io;
-            opts.sync = sync;
-            opts.verify_destination = verify_destination;
-            s = CopyCheckpoint(in->get(), "", out->get(), "", &pool, {}, opts);
-          }
+          CopyOptions opts;
+          opts.direct_io = direct_io;
+          opts.sync = sync;
+          opts.verify_destination = verify_destination;
+          s = CopyCheckpointUri(src, dst, &pool, {}, opts);
         }
         ThrowIfError(s);
       },

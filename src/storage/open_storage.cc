@@ -25,4 +25,19 @@ Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create) 
   return NewPosixStorage(std::string(uri), create);
 }
 
+std::string LocalDirOfUri(std::string_view uri) {
+  constexpr std::string_view kFile = "file://", kShm = "shm://";
+  auto starts = [&](std::string_view p) { return uri.substr(0, p.size()) == p; };
+  if (uri.empty()) return {};
+  if (starts(kShm)) {
+    std::string_view name = uri.substr(kShm.size());
+    while (!name.empty() && name.back() == '/') name.remove_suffix(1);
+    if (!ValidateKey(name).ok()) return {};
+    return ShmDirectory(name);
+  }
+  if (starts(kFile)) uri.remove_prefix(kFile.size());
+  if (uri.empty() || uri.find("://") != std::string_view::npos) return {};
+  return std::string(uri);
+}
+
 }  // namespace cairn

@@ -62,4 +62,66 @@ echo "$out" | grep -q "removed step_1234" && echo "$out" | grep -q "removed step
 [ "$(ls "$dir/pr")" = "step_2000" ] || fail "prune left: $(ls "$dir/pr")"
 "$cairn" verify "$dir/pr/step_2000" >/dev/null 2>&1 || fail "prune damaged the newest"
 
+# Hostile and unlucky input (issue 8). Every call runs under `timeout`, so a
+# call that blocks fails the test instead of hanging it.
+t() { timeout 30 "$@"; }
+expect_rc() {  # expect_rc RC WHAT cmd...
+  local want=$1 what=$2
+  shift 2
+  set +e
+  out=$(t "$@" 2>&1)
+  local rc=$?
+  set -e
+  [ $rc -eq "$want" ] || fail "$what: exited $rc (want $want): $out"
+}
+mkdir -p "$dir/h"
+"$example" "$dir/h" >/dev/null                        # h/step_1234
+ck="$dir/h/step_1234"
+sum=$(cat "$ck/cairn.manifest" "$ck/data/r0.bin" | md5sum)
+intact() {
+  [ "$(cat "$ck/cairn.manifest" "$ck/data/r0.bin" | md5sum)" = "$sum" ] || fail "$1: source changed"
+  t "$cairn" verify "$ck" >/dev/null 2>&1 || fail "$1: source no longer verifies"
+}
+# 1. Copies onto, into or around the source are refused before a byte changes.
+expect_rc 1 "cp ck ck" "$cairn" cp "$ck" "$ck"
+echo "$out" | grep -q "onto itself" || fail "cp ck ck message: $out"
+intact "cp ck ck"
+ln -s "$ck" "$dir/h/l"
+expect_rc 1 "cp ck l" "$cairn" cp "$ck" "$dir/h/l"
+intact "cp ck l (symlink)"
+expect_rc 1 "cp l ck" "$cairn" cp "file://$dir/h/l" "$ck"
+intact "cp l ck"
+expect_rc 1 "cp ck ck/sub" "$cairn" cp "$ck" "$ck/sub/deeper"
+echo "$out" | grep -q "inside the source" || fail "cp into the source: $out"
+[ ! -e "$ck/sub" ] || fail "cp into the source created $ck/sub"
+intact "cp ck ck/sub"
+expect_rc 1 "cp ck parent" "$cairn" cp "$ck" "$dir/h"
+echo "$out" | grep -q "inside the destination" || fail "cp around the source: $out"
+intact "cp ck parent"
+expect_rc 0 "cp ck l2" "$cairn" cp "$dir/h/l" "$dir/h/step_1235"
+t "$cairn" verify "$dir/h/step_1235" >/dev/null 2>&1 || fail "verify of a copy made through a link"
+rm "$dir/h/l"
+# 2. A FIFO where the manifest or a data file belongs: clear errors, no hang,
+#    and discovery moves on to the older checkpoint.
+rm "$dir/h/step_1235/cairn.manifest"
+mkfifo "$dir/h/step_1235/cairn.manifest"
+expect_rc 0 "ls with a FIFO manifest" "$cairn" ls "$dir/h"
+echo "$out" | grep -q "step_1234 .*complete" || fail "ls lost the good checkpoint: $out"
+echo "$out" | grep -q "step_1235 .*partial.*FIFO" || fail "ls FIFO: $out"
+expect_rc 1 "verify of a FIFO manifest" "$cairn" verify "$dir/h/step_1235"
+echo "$out" | grep -q "FIFO" || fail "verify FIFO message: $out"
+expect_rc 1 "inspect of a FIFO manifest" "$cairn" inspect "$dir/h/step_1235"
+expect_rc 1 "cp of a FIFO manifest" "$cairn" cp "$dir/h/step_1235" "$dir/h/x"
+rm "$dir/h/step_1235/cairn.manifest"
+"$cairn" cp "$ck" "$dir/h/step_1236" >/dev/null 2>&1 || fail "cp for the FIFO data test"
+rm "$dir/h/step_1236/data/r0.bin"
+mkfifo "$dir/h/step_1236/data/r0.bin"
+expect_rc 1 "verify of a FIFO data file" "$cairn" verify "$dir/h/step_1236"
+echo "$out" | grep -q "data/r0.bin.*FIFO" || fail "verify FIFO data message: $out"
+expect_rc 1 "cp of a FIFO data file" "$cairn" cp "$dir/h/step_1236" "$dir/h/y"
+[ ! -e "$dir/h/y/cairn.manifest" ] || fail "cp committed a copy of a FIFO"
+expect_rc 0 "ls with a FIFO data file" "$cairn" ls "$dir/h"
+# (Crafted chunk maps and extra sections are tested in tests/cpp/format_test.cc
+# and tests/python/test_hostile_input.py.)
+
 echo "cli ok"

@@ -4,8 +4,11 @@
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
 #include <numeric>
 #include <random>
 
@@ -389,6 +392,33 @@ TEST_P(CheckpointTest, CopyOfACorruptSourceFailsAndLeavesNoCommit) {
   EXPECT_EQ(ReadManifest(other.get(), "dst").status().code(), StatusCode::kNotFound);
 }
 
+// Copies that would write into their own source are refused before anything
+// changes, on every backend (keys of one storage).
+TEST_P(CheckpointTest, CopyOntoItselfOrIntoOrAroundItselfIsRefused) {
+  ASSERT_TRUE(Save("ck").ok());
+  const std::string data = ReadAll(fs_.get(), "ck/data/r0.bin");
+  const std::string manifest = ReadAll(fs_.get(), "ck/cairn.manifest");
+  struct Case {
+    const char* dst;
+    const char* what;
+  } cases[] = {{"ck", "onto itself"},
+               {"ck/sub", "lies inside the source"},
+               {"ck/data", "lies inside the source"},
+               {"", "lies inside the destination"}};
+  for (const auto& c : cases) {
+    Status s = CopyCheckpoint(fs_.get(), "ck", fs_.get(), c.dst, &pool_);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << c.dst << ": " << s.ToString();
+    EXPECT_NE(s.message().find(c.what), std::string::npos) << s.ToString();
+    EXPECT_EQ(ReadAll(fs_.get(), "ck/data/r0.bin"), data) << c.dst;
+    EXPECT_EQ(ReadAll(fs_.get(), "ck/cairn.manifest"), manifest) << c.dst;
+    EXPECT_TRUE(Verify(fs_.get(), "ck", &pool_).ok()) << c.dst;
+  }
+  // A sibling whose name merely starts with the source's is another place.
+  Status s = CopyCheckpoint(fs_.get(), "ck", fs_.get(), "ck2", &pool_);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_TRUE(Verify(fs_.get(), "ck2", &pool_).ok());
+}
+
 TEST_P(CheckpointTest, LargeBuffersRoundTripWithDefaultBlocks) {
   // 40 MiB: three 16 MiB blocks written and read in parallel, direct I/O
   // requested from an unaligned source pointer.
@@ -563,6 +593,161 @@ TEST(PruneTest, UncommitsBeforeDeletingData) {
   ASSERT_TRUE(Prune(st.get(), "", opts, nullptr).ok());
   EXPECT_TRUE(checked);
   EXPECT_EQ(Names(st.get()), (std::vector<std::string>{"step_2"}));
+}
+
+// ---- hostile and unlucky local trees (posix only) ----------------------------
+
+// A posix storage in a fresh temp directory, with helpers to plant FIFOs and
+// symlinks. Every test arms alarm(): a call that blocks (the bug these tests
+// guard against) kills the test binary instead of hanging CI.
+class LocalTreeTest : public ::testing::Test {
+ protected:
+  LocalTreeTest() : pool_(4) {
+    char tmpl[] = "/tmp/cairn_tree_test_XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    storage_ = std::move(NewPosixStorage(dir_)).value();
+    ::alarm(60);
+  }
+  ~LocalTreeTest() override {
+    ::alarm(0);
+    storage_->DeleteDir("").IgnoreError();
+    ::rmdir(dir_.c_str());
+  }
+  Status Save(const std::string& ck) {
+    std::vector<float> v(3000);
+    std::iota(v.begin(), v.end(), 0.0f);
+    DataFileOptions opts;
+    opts.block_size = 4096;
+    return SaveBuffers(storage_.get(), ck, {{"w", "float32", {3000}, v.data()}}, &pool_, opts);
+  }
+  void Fifo(const std::string& key) {
+    std::string p = dir_ + "/" + key;
+    ::unlink(p.c_str());
+    ASSERT_EQ(::mkfifo(p.c_str(), 0600), 0) << p;
+  }
+  std::string dir_;
+  std::unique_ptr<Storage> storage_;
+  ThreadPool pool_;
+};
+
+TEST_F(LocalTreeTest, FifoManifestIsDataLossAndDiscoveryMovesOnToTheOlderCheckpoint) {
+  ASSERT_TRUE(Save("step_1").ok());
+  ASSERT_TRUE(Save("step_2").ok());
+  Fifo("step_2/cairn.manifest");
+  auto m = ReadManifest(storage_.get(), "step_2");
+  EXPECT_EQ(m.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(m.status().message().find("FIFO"), std::string::npos) << m.status().ToString();
+  Status v = Verify(storage_.get(), "step_2", &pool_);
+  EXPECT_EQ(v.code(), StatusCode::kDataLoss) << v.ToString();
+  EXPECT_FALSE(CheckpointReader::Open(storage_.get(), "step_2").ok());
+  auto latest = LatestValid(storage_.get(), "");
+  ASSERT_TRUE(latest.ok()) << latest.status().ToString();
+  EXPECT_EQ(latest->value_or("none"), "step_1");
+  auto list = ListCheckpoints(storage_.get(), "");
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 2u);
+  EXPECT_FALSE((*list)[1].committed);
+  EXPECT_EQ((*list)[1].status.code(), StatusCode::kDataLoss);
+  // Copying it is refused the same way, and prune treats it as partial.
+  StorageFixture other("mem");
+  EXPECT_EQ(CopyCheckpoint(storage_.get(), "step_2", other.get(), "x", &pool_).code(),
+            StatusCode::kDataLoss);
+}
+
+TEST_F(LocalTreeTest, FifoDataFileIsDataLossNamingTheFile) {
+  ASSERT_TRUE(Save("ck").ok());
+  Fifo("ck/data/r0.bin");
+  Status v = Verify(storage_.get(), "ck", &pool_);
+  EXPECT_EQ(v.code(), StatusCode::kDataLoss) << v.ToString();
+  EXPECT_NE(v.message().find("data/r0.bin"), std::string::npos) << v.ToString();
+  EXPECT_NE(v.message().find("FIFO"), std::string::npos) << v.ToString();
+  auto r = CheckpointReader::Open(storage_.get(), "ck");
+  ASSERT_TRUE(r.ok());  // the manifest is fine
+  EXPECT_EQ((*r)->CheckFiles().code(), StatusCode::kDataLoss);
+  std::vector<float> dest(3000);
+  Status s = (*r)->Read({{{ItemRef::Kind::kTensorChunk, 0, 0}, dest.data(), 3000 * 4}}, &pool_);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+  EXPECT_EQ(LoadBuffers(storage_.get(), "ck", &pool_).status().code(), StatusCode::kDataLoss);
+}
+
+TEST_F(LocalTreeTest, NonRegularFilesAreNeitherOpenedNorListed) {
+  ASSERT_TRUE(storage_->CreateDir("d").ok());
+  Fifo("d/fifo");
+  auto e = storage_->Exists("d/fifo");
+  ASSERT_TRUE(e.ok());
+  EXPECT_FALSE(*e);
+  auto l = storage_->List("d");
+  ASSERT_TRUE(l.ok());
+  EXPECT_TRUE(l->empty());
+  EXPECT_EQ(storage_->FileSize("d/fifo").status().code(), StatusCode::kFailedPrecondition);
+  for (bool direct : {false, true}) {
+    auto rf = storage_->NewReadableFile("d/fifo", ReadOptions{direct});
+    EXPECT_EQ(rf.status().code(), StatusCode::kFailedPrecondition) << rf.status().ToString();
+    WriteOptions wo;
+    wo.direct_io = direct;
+    auto wf = storage_->NewWritableFile("d/fifo", wo);
+    EXPECT_EQ(wf.status().code(), StatusCode::kFailedPrecondition) << wf.status().ToString();
+  }
+  // Still a FIFO: a writable open never truncated or replaced it.
+  struct stat st;
+  ASSERT_EQ(::lstat((dir_ + "/d/fifo").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+  EXPECT_TRUE(storage_->DeleteDir("d").ok());
+}
+
+TEST_F(LocalTreeTest, CopyThroughASymlinkOntoTheSourceIsRefused) {
+  ASSERT_TRUE(Save("ck").ok());
+  const std::string data = ReadAll(storage_.get(), "ck/data/r0.bin");
+  ASSERT_EQ(::symlink((dir_ + "/ck").c_str(), (dir_ + "/l").c_str()), 0);
+  ASSERT_EQ(::symlink(dir_.c_str(), (dir_ + "/up").c_str()), 0);
+  struct Case {
+    std::string dst_root, dst_dir, what;
+  } cases[] = {
+      {dir_ + "/l", "", "onto itself"},
+      {dir_ + "/l", "inner", "inside the source"},
+      {dir_ + "/up", "", "inside the destination"},
+      {dir_ + "/up/ck", "", "onto itself"},
+      {dir_ + "/ck/../ck", "", "onto itself"},
+  };
+  for (const auto& c : cases) {
+    auto dst = NewPosixStorage(c.dst_root, /*create=*/false);
+    ASSERT_TRUE(dst.ok()) << c.dst_root;
+    Status s = CopyCheckpoint(storage_.get(), "ck", dst->get(), c.dst_dir, &pool_);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << c.dst_root << ": " << s.ToString();
+    EXPECT_NE(s.message().find(c.what), std::string::npos) << s.ToString();
+    EXPECT_EQ(ReadAll(storage_.get(), "ck/data/r0.bin"), data);
+    EXPECT_TRUE(Verify(storage_.get(), "ck", &pool_).ok());
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/ck/inner"));
+  // The URI form refuses before it creates the destination.
+  Status s = CopyCheckpointUri(dir_ + "/ck", dir_ + "/l/new/deeper", &pool_);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/ck/new"));
+  s = CopyCheckpointUri("file://" + dir_ + "/l", dir_ + "/ck", &pool_);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  // And a real copy next to it works.
+  s = CopyCheckpointUri(dir_ + "/l", dir_ + "/copy", &pool_);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_TRUE(Verify(storage_.get(), "copy", &pool_).ok());
+  ::unlink((dir_ + "/l").c_str());
+  ::unlink((dir_ + "/up").c_str());
+}
+
+TEST_F(LocalTreeTest, RelateLocalDirsResolvesLinksAndMissingTails) {
+  ASSERT_TRUE(storage_->CreateDir("a/b").ok());
+  ASSERT_TRUE(storage_->CreateDir("c").ok());
+  ASSERT_EQ(::symlink((dir_ + "/a").c_str(), (dir_ + "/c/link").c_str()), 0);
+  auto rel = [&](const std::string& x, const std::string& y) {
+    return RelateLocalDirs(dir_ + "/" + x, dir_ + "/" + y).value();
+  };
+  EXPECT_EQ(rel("a", "c/link"), DirRelation::kSame);
+  EXPECT_EQ(rel("c/link/b", "a"), DirRelation::kFirstInside);
+  EXPECT_EQ(rel("a", "c/link/b/not/yet"), DirRelation::kSecondInside);
+  EXPECT_EQ(rel("c/link/new", "a/new"), DirRelation::kSame);
+  EXPECT_EQ(rel("a/b", "c"), DirRelation::kDisjoint);
+  EXPECT_EQ(rel("ab", "a"), DirRelation::kDisjoint);
+  EXPECT_EQ(rel("a/./b/", "a/b/x/.."), DirRelation::kSame);
+  ::unlink((dir_ + "/c/link").c_str());
 }
 
 }  // namespace

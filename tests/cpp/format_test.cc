@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
+#include <chrono>
 #include <nlohmann/json.hpp>
 
 #include "cairn/manifest.h"
@@ -190,6 +191,77 @@ const Hostile kHostile[] = {
        b = json::array({1, 2});
      },
      "not a JSON object"},
+    // Chunk coverage: the chunks must tile the tensor exactly once.
+    {"MissingChunk", [](json& b) { b["tensors"][0]["chunks"].erase(1); }, "1024 of its 2048"},
+    {"TensorWithoutChunks", [](json& b) { b["tensors"][0]["chunks"] = json::array(); },
+     "has no chunks"},
+    {"ScalarWithoutChunks", [](json& b) { b["tensors"][1]["chunks"] = json::array(); },
+     "has no chunks"},
+    {"OverlappingChunks", [](json& b) { b["tensors"][0]["chunks"][1]["offsets"][0] = 1; },
+     "overlap at element [1, 0]"},
+    {"RepeatedChunk",
+     [](json& b) {
+       // The same box again, stored in bytes of its own.
+       json c = b["tensors"][0]["chunks"][0];
+       c["offset"] = 4 * 4096;
+       b["files"][0]["size"] = 5 * 4096;
+       b["tensors"][0]["chunks"].push_back(c);
+     },
+     "both start at [0, 0]"},
+    {"EmptyChunkSharingAnOffset",
+     [](json& b) {
+       json c = b["tensors"][0]["chunks"][0];
+       c["sizes"] = {0, 512};
+       c["length"] = 0;
+       c["offset"] = 0;
+       c["checksums"] = json::array();
+       b["tensors"][0]["chunks"].push_back(c);
+     },
+     "both start at [0, 0]"},
+    // Huge allocations: a non-tensor item is bounded whatever its file says.
+    {"HugeBytesItem",
+     [](json& b) {
+       b["files"][0]["size"] = uint64_t{1} << 41;
+       b["bytes"][0]["length"] = uint64_t{1} << 40;
+     },
+     "limit for a non-tensor item"},
+    // The parts of `extra` that the Python layer reads back and trusts.
+    {"DcpExtraNotObject", [](json& b) { b["extra"]["dcp"] = json::array({1}); }, "extra.dcp"},
+    {"PlannerDataDictAsKey",
+     [](json& b) {
+       b["extra"]["dcp"]["planner_data"] = {
+           {"__dict__", json::array({json::array({{{"__dict__", json::array()}}, 1})})}};
+     },
+     "planner_data"},
+    {"PlannerDataListAsKey",
+     [](json& b) {
+       b["extra"]["dcp"]["planner_data"] = {
+           {"__dict__", json::array({json::array({json::array({1}), 1})})}};
+     },
+     "planner_data"},
+    {"PlannerDataIntWhereAListBelongs",
+     [](json& b) {
+       b["extra"]["dcp"]["planner_data"] = {{"__dict__", 5}};
+     },
+     "planner_data"},
+    {"PlannerDataUnknownTag",
+     [](json& b) {
+       b["extra"]["dcp"]["planner_data"] = {{"__set__", json::array()}};
+     },
+     "planner_data"},
+    {"ModulesNotAList",
+     [](json& b) {
+       b["extra"]["dcp"]["storage_meta"] = {{"modules", 5}};
+     },
+     "modules"},
+    {"VersionNotAString", [](json& b) { b["extra"]["dcp"]["version"] = 1; }, "version"},
+    {"ManagerNotObject", [](json& b) { b["extra"]["manager"] = "x"; }, "extra.manager"},
+    {"ManagerStepNegative",
+     [](json& b) {
+       b["extra"]["manager"] = {{"step", -1}, {"run_id", "r"}};
+     },
+     "step"},
+    {"UserNotObject", [](json& b) { b["extra"]["user"] = json::array(); }, "extra.user"},
     {"HugeFileCount",
      [](json& b) {
        b["files"] = json::array();
@@ -200,6 +272,114 @@ const Hostile kHostile[] = {
 
 INSTANTIATE_TEST_SUITE_P(Cases, HostileManifestTest, ::testing::ValuesIn(kHostile),
                          [](const auto& info) { return std::string(info.param.name); });
+
+TEST(ManifestTest, WellFormedPlannerDataAndManagerSectionsPass) {
+  json body = SampleBody();
+  body["extra"]["dcp"] = {
+      {"version", "1.0.0"},
+      {"planner_data",
+       {{"__dict__",
+         json::array({json::array({"a", {{"__tuple__", json::array({"a", 0})}}}),
+                      json::array({{{"__tuple__", json::array({1, "x"})}}, json::array({1, 2})}),
+                      json::array({nullptr, {{"__dict__", json::array()}}})})}}},
+      {"storage_meta", {{"checkpoint_id", "/c"}, {"save_id", nullptr}, {"modules", {"m"}}}}};
+  body["extra"]["manager"] = {{"step", 7}, {"run_id", "abc"}};
+  body["extra"]["user"] = {{"anything", json::array({1, {{"goes", true}}})}};
+  Status s = DecodeBody(body);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+}
+
+// Builds a tensor of `shape` from (offsets, sizes) boxes (locations unused).
+ManifestTensor Boxes(std::vector<uint64_t> shape,
+                     std::vector<std::pair<std::vector<uint64_t>, std::vector<uint64_t>>> boxes) {
+  ManifestTensor t;
+  t.fqn = "t";
+  t.dtype = "uint8";
+  t.shape = std::move(shape);
+  for (auto& [o, z] : boxes) {
+    uint64_t n = 1;
+    for (uint64_t v : z) n *= v;
+    t.chunks.push_back({o, z, {0, 0, n, {}}});
+  }
+  return t;
+}
+
+TEST(ChunkCoverageTest, ExactTilingsPass) {
+  // Rows, columns, an irregular 2D layout, a 3D grid, a scalar, empty chunks.
+  EXPECT_TRUE(ValidateChunkCoverage(Boxes({6}, {{{4}, {2}}, {{0}, {4}}})).ok());
+  EXPECT_TRUE(ValidateChunkCoverage(Boxes({2, 6}, {{{0, 0}, {2, 3}}, {{0, 3}, {2, 3}}})).ok());
+  // +---+-----+
+  // | 0 |  1  |   row 0..2: [0,1) [1,4)
+  // +---+-+---+   row 2..3: [0,2) [2,4)
+  // |  2  | 3 |
+  // +-----+---+
+  EXPECT_TRUE(
+      ValidateChunkCoverage(
+          Boxes({3, 4}, {{{0, 0}, {2, 1}}, {{0, 1}, {2, 3}}, {{2, 0}, {1, 2}}, {{2, 2}, {1, 2}}}))
+          .ok());
+  std::vector<std::pair<std::vector<uint64_t>, std::vector<uint64_t>>> grid;
+  for (uint64_t i = 0; i < 3; ++i) {
+    for (uint64_t j = 0; j < 2; ++j) {
+      for (uint64_t k = 0; k < 2; ++k) grid.push_back({{i, 2 * j, 3 * k}, {1, 2, 3}});
+    }
+  }
+  EXPECT_TRUE(ValidateChunkCoverage(Boxes({3, 4, 6}, grid)).ok());
+  EXPECT_TRUE(ValidateChunkCoverage(Boxes({}, {{{}, {}}})).ok());
+  // Uneven sharding leaves some ranks an empty chunk (at the end, twice).
+  EXPECT_TRUE(
+      ValidateChunkCoverage(Boxes({2}, {{{0}, {1}}, {{1}, {1}}, {{2}, {0}}, {{2}, {0}}})).ok());
+  // An empty tensor needs no chunk at all, or has empty ones.
+  EXPECT_TRUE(ValidateChunkCoverage(Boxes({0, 3}, {})).ok());
+  EXPECT_TRUE(ValidateChunkCoverage(Boxes({0, 4}, {{{0, 0}, {0, 2}}, {{0, 2}, {0, 2}}})).ok());
+}
+
+TEST(ChunkCoverageTest, GapsOverlapsAndRepeatsNameTheTensorAndAnElement) {
+  auto fails_with = [](const ManifestTensor& t, const std::string& what) {
+    Status s = ValidateChunkCoverage(t);
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << what;
+    EXPECT_NE(s.message().find("tensor 't'"), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find(what), std::string::npos) << s.ToString();
+  };
+  fails_with(Boxes({6}, {{{0}, {2}}, {{3}, {3}}}), "5 of its 6");
+  // Same volume, but one element twice and another never.
+  fails_with(Boxes({2, 2}, {{{0, 0}, {1, 2}}, {{0, 1}, {1, 1}}, {{1, 1}, {1, 1}}}),
+             "overlap at element [0, 1]");
+  fails_with(
+      Boxes({3, 4}, {{{0, 0}, {2, 1}}, {{0, 1}, {2, 3}}, {{2, 0}, {1, 2}}, {{1, 2}, {1, 2}}}),
+      "overlap at element [1, 2]");
+  fails_with(Boxes({4}, {{{0}, {2}}, {{0}, {2}}}), "both start at [0]");
+  fails_with(Boxes({}, {{{}, {}}, {{}, {}}}), "both start at []");
+  fails_with(Boxes({5, 5}, {}), "has no chunks");
+  // Two empty chunks at one offset cover nothing twice: allowed.
+  EXPECT_TRUE(ValidateChunkCoverage(Boxes({0, 4}, {{{0, 0}, {0, 2}}, {{0, 0}, {0, 2}}})).ok());
+}
+
+TEST(ChunkCoverageTest, ManyChunksAreCheckedQuicklyAndHostileLayoutsAreBounded) {
+  // A million row chunks: a regular layout validates in well under a second.
+  const uint64_t n = 1 << 20;
+  ManifestTensor rows = Boxes({n, 2}, {});
+  rows.chunks.reserve(n);
+  for (uint64_t i = n; i-- > 0;) rows.chunks.push_back({{i, 0}, {1, 2}, {0, 0, 2, {}}});
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_TRUE(ValidateChunkCoverage(rows).ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  // A valid but quadratic tiling: thin rows on the left half, thin columns on
+  // the right; every column chunk spans every row slab. Refused quickly.
+  const uint64_t k = 1 << 15;
+  ManifestTensor q = Boxes({k, 2 * k}, {});
+  for (uint64_t i = 0; i < k; ++i) q.chunks.push_back({{i, 0}, {1, k}, {0, 0, k, {}}});
+  for (uint64_t j = 0; j < k; ++j) q.chunks.push_back({{0, k + j}, {k, 1}, {0, 0, k, {}}});
+  start = std::chrono::steady_clock::now();
+  Status s = ValidateChunkCoverage(q);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("too irregular"), std::string::npos) << s.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  // The same shape in a small version passes.
+  ManifestTensor small = Boxes({8, 16}, {});
+  for (uint64_t i = 0; i < 8; ++i) small.chunks.push_back({{i, 0}, {1, 8}, {0, 0, 8, {}}});
+  for (uint64_t j = 0; j < 8; ++j) small.chunks.push_back({{0, 8 + j}, {8, 1}, {0, 0, 8, {}}});
+  EXPECT_TRUE(ValidateChunkCoverage(small).ok());
+}
 
 TEST(ManifestTest, InvalidJsonIsDataLoss) {
   auto r = DecodeManifest(Envelope("{not json"));

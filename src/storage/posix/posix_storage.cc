@@ -23,6 +23,15 @@
 // direct writes never overlap. If the kernel still rejects an O_DIRECT call
 // (EINVAL), the file falls back to buffered I/O for good.
 //
+// Non-regular files. A FIFO, socket or device where a file belongs must never
+// block or be read: every file is opened with O_NONBLOCK (an open of a FIFO
+// would otherwise wait for a writer, or a reader), then fstat'ed, and anything
+// but a regular file is refused with kFailedPrecondition "is a FIFO, not a
+// regular file" before a byte moves; O_NONBLOCK is then cleared (it means
+// nothing for regular files, but is not left behind). Like symlinks, such
+// entries are not entries cairn sees: Exists() says false, List() omits them,
+// FileSize() refuses them.
+//
 // errno is translated by ErrnoToStatus (src/status.cc), the one place.
 #include "storage/posix/posix_storage.h"
 
@@ -118,6 +127,52 @@ Status PreadUpTo(int fd, char* p, size_t n, uint64_t off, const std::string& nam
   }
   return Status::OK();
 }
+
+// What a non-regular, non-directory file is, for messages.
+const char* FileKind(mode_t mode) {
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  return "not a regular file";
+}
+
+Status NotRegularError(const std::string& path, mode_t mode) {
+  return FailedPreconditionError(path + ": is " + FileKind(mode) +
+                                 ", not a regular file (refusing to open it)");
+}
+
+// Checks that `fd` (opened with O_NONBLOCK) is a regular file and clears
+// O_NONBLOCK. Stores its stat in *st.
+Status CheckRegularAndBlock(int fd, const std::string& path, struct stat* st) {
+  if (::fstat(fd, st) != 0) return ErrnoToStatus(errno, "stat " + path);
+  if (S_ISDIR(st->st_mode)) return InvalidArgumentError(path + ": is a directory");
+  if (!S_ISREG(st->st_mode)) return NotRegularError(path, st->st_mode);
+  int fl = ::fcntl(fd, F_GETFL);
+  if (fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+    return ErrnoToStatus(errno, "fcntl " + path);
+  }
+  return Status::OK();
+}
+
+// Opens the second, O_DIRECT descriptor of a file already open as `first`.
+// Never blocks, and gives up (returns -1) unless it is the same inode.
+UniqueFd OpenDirect(int parent, const std::string& name, int flags, const struct stat& first) {
+  UniqueFd dfd(
+      ::openat(parent, name.c_str(), flags | O_DIRECT | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC));
+  if (dfd.get() < 0) return dfd;
+  struct stat st;
+  if (::fstat(dfd.get(), &st) != 0 || st.st_dev != first.st_dev || st.st_ino != first.st_ino) {
+    return UniqueFd();
+  }
+  int fl = ::fcntl(dfd.get(), F_GETFL);
+  if (fl < 0 || ::fcntl(dfd.get(), F_SETFL, fl & ~O_NONBLOCK) != 0) return UniqueFd();
+  return dfd;
+}
+
+// A regular file or a directory: what cairn sees of a tree.
+bool Visible(mode_t mode) { return S_ISREG(mode) || S_ISDIR(mode); }
 
 Status EndOfFile(const std::string& name, uint64_t offset, size_t missing) {
   return OutOfRangeError("read " + name + ": unexpected end of file at offset " +
@@ -307,13 +362,17 @@ class PosixStorage final : public Storage {
     auto [dir, leaf] = SplitKey(key);
     CAIRN_ASSIGN_OR_RETURN(UniqueFd parent, OpenDir(dir, /*create=*/true, /*readable=*/false));
     std::string path = Path(key), name(leaf);
+    // O_TRUNC is applied only once the file is known to be regular (a
+    // truncating open of a FIFO or device must not even start).
     UniqueFd fd(::openat(parent.get(), name.c_str(),
-                         O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644));
+                         O_WRONLY | O_CREAT | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0644));
     if (fd.get() < 0) return LeafError(errno, parent.get(), name, "create", path);
+    struct stat st;
+    CAIRN_RETURN_IF_ERROR(CheckRegularAndBlock(fd.get(), path, &st));
+    if (::ftruncate(fd.get(), 0) != 0) return ErrnoToStatus(errno, "truncate " + path);
     UniqueFd dfd;
     if (opts.direct_io && opts_.allow_direct_io) {
-      dfd = UniqueFd(
-          ::openat(parent.get(), name.c_str(), O_WRONLY | O_DIRECT | O_NOFOLLOW | O_CLOEXEC));
+      dfd = OpenDirect(parent.get(), name, O_WRONLY, st);
     }
     return std::unique_ptr<WritableFile>(
         new PosixWritableFile(std::move(path), std::move(fd), std::move(dfd)));
@@ -325,15 +384,14 @@ class PosixStorage final : public Storage {
     auto [dir, leaf] = SplitKey(key);
     CAIRN_ASSIGN_OR_RETURN(UniqueFd parent, OpenDir(dir, false, false));
     std::string path = Path(key), name(leaf);
-    UniqueFd fd(::openat(parent.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+    UniqueFd fd(
+        ::openat(parent.get(), name.c_str(), O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC));
     if (fd.get() < 0) return LeafError(errno, parent.get(), name, "open", path);
     struct stat st;
-    if (::fstat(fd.get(), &st) != 0) return ErrnoToStatus(errno, "stat " + path);
-    if (S_ISDIR(st.st_mode)) return InvalidArgumentError(path + ": is a directory");
+    CAIRN_RETURN_IF_ERROR(CheckRegularAndBlock(fd.get(), path, &st));
     UniqueFd dfd;
     if (opts.direct_io && opts_.allow_direct_io) {
-      dfd = UniqueFd(
-          ::openat(parent.get(), name.c_str(), O_RDONLY | O_DIRECT | O_NOFOLLOW | O_CLOEXEC));
+      dfd = OpenDirect(parent.get(), name, O_RDONLY, st);
     }
     return std::unique_ptr<ReadableFile>(new PosixReadableFile(
         std::move(path), std::move(fd), std::move(dfd), static_cast<uint64_t>(st.st_size)));
@@ -410,8 +468,8 @@ class PosixStorage final : public Storage {
       struct stat st;
       if (::fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
       // Symlinks are neither followed nor reported: they could point outside
-      // the root.
-      if (S_ISLNK(st.st_mode)) continue;
+      // the root. FIFOs, sockets and devices are not files cairn can use.
+      if (!Visible(st.st_mode)) continue;
       out.push_back(DirEntry{name, S_ISDIR(st.st_mode),
                              S_ISDIR(st.st_mode) ? 0 : static_cast<uint64_t>(st.st_size)});
     }
@@ -433,9 +491,9 @@ class PosixStorage final : public Storage {
     struct stat st;
     std::string name(leaf);
     // A symlink is neither a file nor a directory to cairn (it is never
-    // followed, and List does not show it).
+    // followed, and List does not show it); nor is a FIFO, socket or device.
     if (::fstatat(parent->get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
-      return !S_ISLNK(st.st_mode);
+      return Visible(st.st_mode);
     }
     if (errno == ENOENT || errno == ENOTDIR) return false;
     return ErrnoToStatus(errno, "stat " + Path(key));
@@ -452,6 +510,7 @@ class PosixStorage final : public Storage {
     }
     if (S_ISLNK(st.st_mode)) return SymlinkError(path);
     if (S_ISDIR(st.st_mode)) return InvalidArgumentError(path + ": is a directory");
+    if (!S_ISREG(st.st_mode)) return NotRegularError(path, st.st_mode);
     return static_cast<uint64_t>(st.st_size);
   }
 
@@ -477,6 +536,13 @@ class PosixStorage final : public Storage {
       struct stat st;
       if (::fstatat(dirfd, leaf.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode)) {
         return SymlinkError(path);
+      }
+    }
+    if (err == ENXIO || err == EOPNOTSUPP || err == ENODEV) {
+      // A FIFO without a reader (O_WRONLY | O_NONBLOCK), a socket, a device.
+      struct stat st;
+      if (::fstatat(dirfd, leaf.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && !Visible(st.st_mode)) {
+        return NotRegularError(path, st.st_mode);
       }
     }
     return ErrnoToStatus(err, std::string(what) + " " + path);

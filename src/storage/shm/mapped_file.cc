@@ -18,8 +18,19 @@
 namespace cairn::internal {
 
 Result<std::unique_ptr<MappedShmFile>> MappedShmFile::Open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+  // O_NONBLOCK: a FIFO planted at the slot's name must not block the open;
+  // it is refused below, and the flag is cleared for the regular file.
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return ErrnoToStatus(errno, "open " + path);
+  {
+    struct stat st;
+    int fl = -1;
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (fl = ::fcntl(fd, F_GETFL)) < 0 ||
+        ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+      ::close(fd);
+      return FailedPreconditionError(path + ": not a regular file");
+    }
+  }
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     int err = errno;
     ::close(fd);
