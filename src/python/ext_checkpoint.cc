@@ -91,7 +91,21 @@ void RegisterCheckpoint(nb::module_& m) {
   nb::class_<ThreadPool>(m, "ThreadPool", "A fixed pool of I/O threads (C++ owned).")
       .def(nb::init<size_t>(), nb::arg("num_threads"))
       .def_prop_ro("size", &ThreadPool::size);
+  m.def(
+      "default_thread_count",
+      [](const std::string& kind) {
+        if (kind == "io") return DefaultThreadCount(PoolKind::kIo);
+        if (kind == "copy") return DefaultThreadCount(PoolKind::kCopy);
+        RaiseStatus(
+            InvalidArgumentError("thread pool kind must be 'io' or 'copy', got '" + kind + "'"));
+      },
+      nb::arg("kind"),
+      "Threads cairn gives a pool of `kind` ('io': reads/writes, 'copy': memcpy/hashing) on "
+      "this machine (the one sizing rule, include/cairn/thread_pool.h).");
 
+  m.def(
+      "data_file_key", [](uint64_t rank) { return format::DataFileKey(rank); }, nb::arg("rank"),
+      "The key of rank `rank`'s data file in a checkpoint: 'data/r<rank>.bin'.");
   m.def(
       "dtype_itemsize", [](const std::string& dtype) { return format::DtypeItemSize(dtype); },
       "Bytes per element of a manifest dtype name, 0 if unknown.");
