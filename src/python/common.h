@@ -1,6 +1,8 @@
 // Shared helpers for the binding code: Status -> Python exception mapping.
 // The binding layer only converts arguments and releases the GIL around
-// blocking calls; the exception classes themselves live in cairn/errors.py.
+// blocking calls; the exception classes themselves live in cairn/errors.py,
+// which keeps retryable codes (Unavailable, DeadlineExceeded) apart as
+// cairn.TransientError subclasses.
 #pragma once
 
 #include <nanobind/nanobind.h>
