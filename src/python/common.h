@@ -7,7 +7,12 @@
 
 #include <nanobind/nanobind.h>
 
+#include <memory>
+#include <string>
+
+#include "cairn/checkpoint.h"
 #include "cairn/status.h"
+#include "cairn/storage.h"
 
 namespace cairn::python {
 
@@ -23,6 +28,24 @@ template <typename T>
 T ValueOrThrow(Result<T>&& r) {
   if (!r.ok()) RaiseStatus(r.status());
   return std::move(r).value();
+}
+
+// Opens the storage at `uri` and returns fn(storage), all with the GIL
+// released (the caller converts the Result afterwards).
+template <typename T, typename Fn>
+Result<T> WithStorage(const std::string& uri, bool create, Fn&& fn) {
+  nanobind::gil_scoped_release release;
+  Result<std::unique_ptr<Storage>> storage = OpenStorage(uri, create);
+  if (!storage.ok()) return storage.status();
+  return fn(storage->get());
+}
+
+inline DataFileOptions MakeDataFileOptions(bool direct_io, bool sync, uint64_t block_size) {
+  DataFileOptions opts;
+  opts.direct_io = direct_io;
+  opts.sync = sync;
+  opts.block_size = block_size;
+  return opts;
 }
 
 // Each area of the extension registers its functions from its own file.

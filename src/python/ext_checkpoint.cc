@@ -120,21 +120,11 @@ void RegisterCheckpoint(nb::module_& m) {
         for (const auto& [addr, size] : buffers) {
           refs.push_back({reinterpret_cast<const void*>(addr), size});
         }
-        Result<DataFileResult> r = InternalError("unset");
-        {
-          nb::gil_scoped_release release;
-          auto storage = OpenStorage(uri, /*create=*/true);
-          if (!storage.ok()) {
-            r = storage.status();
-          } else {
-            DataFileOptions opts;
-            opts.direct_io = direct_io;
-            opts.sync = sync;
-            opts.block_size = block_size;
-            r = WriteDataFile(storage->get(), key, refs, &pool, opts);
-          }
-        }
-        DataFileResult res = ValueOrThrow(std::move(r));
+        DataFileOptions opts = MakeDataFileOptions(direct_io, sync, block_size);
+        DataFileResult res =
+            ValueOrThrow(WithStorage<DataFileResult>(uri, /*create=*/true, [&](Storage* st) {
+              return WriteDataFile(st, key, refs, &pool, opts);
+            }));
         nb::list items;
         for (const auto& loc : res.items) {
           nb::list sums;

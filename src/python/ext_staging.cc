@@ -282,21 +282,10 @@ void RegisterStaging(nb::module_& m) {
              const std::string& key, ThreadPool& io_pool, bool direct_io, bool sync,
              uint64_t block_size) {
             StagingPool& p = self.Checked();
-            Result<uint64_t> r = InternalError("unset");
-            {
-              nb::gil_scoped_release g;
-              auto storage = OpenStorage(uri, /*create=*/true);
-              if (!storage.ok()) {
-                r = storage.status();
-              } else {
-                DataFileOptions opts;
-                opts.direct_io = direct_io;
-                opts.sync = sync;
-                opts.block_size = block_size;
-                r = p.WriteDataFile(save, storage->get(), key, opts, &io_pool);
-              }
-            }
-            return ValueOrThrow(std::move(r));
+            DataFileOptions opts = MakeDataFileOptions(direct_io, sync, block_size);
+            return ValueOrThrow(WithStorage<uint64_t>(uri, /*create=*/true, [&](Storage* st) {
+              return p.WriteDataFile(save, st, key, opts, &io_pool);
+            }));
           },
           nb::arg("save"), nb::arg("uri"), nb::arg("key"), nb::arg("pool"),
           nb::arg("direct_io") = true, nb::arg("sync") = true,
