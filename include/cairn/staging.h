@@ -147,6 +147,9 @@ struct StagedSave {
   uint64_t capacity = 0;
 };
 
+// The slot bytes a save of items of `lengths` bytes uses (StagedSave::bytes).
+uint64_t StagedBytes(std::span<const uint64_t> lengths);
+
 // An item of a StagedSave in host memory: copy `lengths[item]` bytes from `src`.
 struct StageSource {
   size_t item = 0;

@@ -92,8 +92,8 @@ class SlotStager:
 
     def _begin(self, slot: int, lengths: list[int]) -> Any:
         pinned = self.registered.get(slot)
-        if pinned is not None and pinned[1] < max(sum(lengths), 1):
-            self.unpin(slot)  # it may grow, which may move it: unregister while it exists
+        if pinned is not None and pinned[1] < _ext.staged_bytes(lengths):
+            self.unpin(slot)  # it will grow, which may move it: unregister while it exists
         try:
             return self.pool.begin_save(slot, lengths)
         except PreconditionError:

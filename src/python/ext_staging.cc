@@ -141,6 +141,10 @@ void RegisterStaging(nb::module_& m) {
       nb::arg("address"), nb::arg("nbytes"), nb::arg("block_size") = kChecksumBlockSize,
       "XXH3-64 of each `block_size` block of `nbytes` at a raw address.");
   m.attr("CHECKSUM_BLOCK_SIZE") = kChecksumBlockSize;
+  m.def(
+      "staged_bytes", [](const std::vector<uint64_t>& lengths) { return StagedBytes(lengths); },
+      nb::arg("lengths"),
+      "The slot bytes a save of items of `lengths` bytes uses (StagedSave.bytes).");
 
   nb::class_<StagedSave>(m, "StagedSave",
                          "One save laid out in a staging slot (StagingPool.begin_save): item i "
@@ -217,10 +221,7 @@ void RegisterStaging(nb::module_& m) {
           "begin_save",
           [](PyStagingPool& self, size_t index, const std::vector<uint64_t>& lengths) {
             StagingPool& p = self.Checked();
-            CheckNoGrowthUnderViews(
-                self, index,
-                std::max(format::AlignItemOffset(format::LayOutDataFile(lengths).end),
-                         format::kItemAlignment));
+            CheckNoGrowthUnderViews(self, index, StagedBytes(lengths));
             Result<StagedSave> r = [&] {
               nb::gil_scoped_release g;
               return p.BeginSave(index, lengths, self.helpers());

@@ -40,6 +40,11 @@ std::vector<Range> PaddingRanges(const StagedSave& save, uint64_t capacity) {
 
 }  // namespace
 
+uint64_t StagedBytes(std::span<const uint64_t> lengths) {
+  return std::max(format::AlignItemOffset(format::LayOutDataFile(lengths).end),
+                  format::kItemAlignment);
+}
+
 Status StagingPool::SaveMemory(const StagedSave& save, std::string_view what, char** data,
                                uint64_t* size) const {
   CAIRN_RETURN_IF_ERROR(AcquiredMemory(save.slot, what, data, size));
@@ -59,7 +64,7 @@ Result<StagedSave> StagingPool::BeginSave(size_t index, std::span<const uint64_t
   save.lengths.assign(lengths.begin(), lengths.end());
   save.offsets = std::move(layout.offsets);
   save.end = layout.end;
-  save.bytes = std::max(format::AlignItemOffset(layout.end), format::kItemAlignment);
+  save.bytes = StagedBytes(lengths);
   CAIRN_ASSIGN_OR_RETURN(StagingSlot slot, AcquireSlot(index, save.bytes, pool));
   save.data = slot.data;
   save.capacity = slot.capacity;
