@@ -83,10 +83,6 @@ class Progress {
   bool printed_ = false;
 };
 
-size_t DefaultThreads() {
-  return std::clamp<size_t>(2 * std::thread::hardware_concurrency(), 16, 32);
-}
-
 int CmdLs(const std::string& root) {
   auto storage = cairn::OpenStorage(root, /*create=*/false);
   if (!storage.ok()) return Fail(storage.status());
@@ -211,7 +207,7 @@ int CmdPrune(const std::string& root, uint64_t keep, bool partials, bool dry_run
 int main(int argc, char** argv) {
   CLI::App app{"cairn: inspect, verify, copy and prune cairn checkpoints"};
   app.require_subcommand(1);
-  size_t threads = DefaultThreads();
+  size_t threads = cairn::DefaultThreadCount(cairn::PoolKind::kIo);
   app.add_option("-j,--threads", threads, "I/O threads")->check(CLI::Range(1, 256));
 
   std::string root, path, src, dst;

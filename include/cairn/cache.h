@@ -160,6 +160,12 @@ class FileCache {
   // process is already fetching it.
   Status Fetch(int64_t id, bool demand, bool* admitted);
   Status Copy(int64_t id, int fd, const std::string& tmp_path);
+  // The eviction decision: the cached files to evict, in order, to make room
+  // for `size` more bytes for file `id` (empty when there is room). Belady:
+  // latest next use first; a prefetch (!demand) stops before any file needed
+  // no later than `id`. The caller evicts along it until there is room,
+  // skipping pinned files. Needs the index lock; takes mu_.
+  std::vector<int64_t> EvictionOrder(int64_t id, uint64_t size, bool demand);
   int64_t NextUse(int64_t id) const;  // needs mu_ (reads plan state)
   void Pump();                        // schedules prefetches; takes mu_
   void AddPin(int64_t id, int fd);    // takes mu_; adopts fd or closes it

@@ -19,8 +19,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace cairn::format {
 
@@ -93,5 +95,21 @@ size_t DtypeItemSize(std::string_view dtype);
 
 // The key of rank `rank`'s data file: "data/r<rank>.bin".
 std::string DataFileKey(uint64_t rank);
+
+// `v` rounded up to the next multiple of kItemAlignment.
+constexpr uint64_t AlignItemOffset(uint64_t v) {
+  return (v + kItemAlignment - 1) / kItemAlignment * kItemAlignment;
+}
+
+// Where items go in a data file (the one layout rule; the writer and the
+// staging engine both use it). Item i of `lengths[i]` bytes starts at
+// offsets[i]: the first non-empty item at 0, every later one at the first
+// multiple of kItemAlignment after the previous item's end; an empty item
+// takes no space and sits at offset 0. Every other byte is zero.
+struct DataFileLayout {
+  std::vector<uint64_t> offsets;  // one per item
+  uint64_t end = 0;               // one past the last item's byte: the file size
+};
+DataFileLayout LayOutDataFile(std::span<const uint64_t> lengths);
 
 }  // namespace cairn::format

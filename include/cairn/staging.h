@@ -31,6 +31,23 @@
 // keep them. Each file is flock()ed while open: a second live process opening
 // the same rank's pool fails instead of corrupting it.
 //
+// The staging engine. One save into one slot is, in this order:
+//   1. BeginSave(slot, lengths): lays the items out exactly as a data file
+//      lays them out (format::LayOutDataFile: 4 KiB aligned, empty items at
+//      0), acquires the slot with room for them and returns the StagedSave;
+//   2. CopyItems(save, sources): the items in host memory, by one parallel
+//      memcpy (items on a device are copied by the caller, at
+//      save.offsets[i] of save.data, e.g. device-to-host on a side stream);
+//   3. ZeroPadding(save): every byte of the slot that is no item's (gaps and
+//      the tail, which a reused slot may still hold from an older save) is
+//      zeroed, as a checkpoint's padding must be;
+// after which the slot is a complete cairn data file (its whole capacity,
+// for a memory-tier checkpoint) and its first save.bytes bytes are one too:
+//   4. ItemChecksums(save) gives each item's location and block checksums;
+//   5. WriteDataFile(save, storage, key) writes those bytes out as a data
+//      file (persisting the slot to a slower tier), with the same layout.
+// Nothing outside this file and staging_engine.cc knows the slot layout.
+//
 // Thread-safety: every method may be called from any thread; the bytes of an
 // acquired slot belong to its acquirer until Release(). Close() (or the
 // destructor) must not race other calls, and invalidates every address
@@ -48,7 +65,10 @@
 #include <string_view>
 #include <vector>
 
+#include "cairn/checkpoint.h"
+#include "cairn/manifest.h"
 #include "cairn/status.h"
+#include "cairn/storage.h"
 #include "cairn/thread_pool.h"
 
 namespace cairn {
@@ -110,6 +130,32 @@ struct StagingSlot {
   std::string key;        // the file relative to root_dir: "slot<k>/data/r<rank>.bin"
 };
 
+// One save laid out in a staging slot (StagingPool::BeginSave). A value:
+// copy it freely; it stays meaningful while the slot holds this save.
+struct StagedSave {
+  size_t slot = 0;
+  std::vector<uint64_t> offsets;  // item i starts here in the slot
+  std::vector<uint64_t> lengths;  // and has this many bytes
+  // One past the last item's byte (format::DataFileLayout::end).
+  uint64_t end = 0;
+  // `end` rounded up to kItemAlignment, at least kItemAlignment: the bytes
+  // of the slot this save uses, and the size of the data file that
+  // WriteDataFile makes of them (whole pages, so O_DIRECT writes it as is).
+  uint64_t bytes = 0;
+  // The slot's mapping when the save began (for device copies and pinning).
+  char* data = nullptr;
+  uint64_t capacity = 0;
+};
+
+// The slot bytes a save of items of `lengths` bytes uses (StagedSave::bytes).
+uint64_t StagedBytes(std::span<const uint64_t> lengths);
+
+// An item of a StagedSave in host memory: copy `lengths[item]` bytes from `src`.
+struct StageSource {
+  size_t item = 0;
+  const void* src = nullptr;
+};
+
 class StagingPool {
  public:
   // Creates the directory and remembers the options; maps nothing yet.
@@ -138,6 +184,30 @@ class StagingPool {
   // ParallelCopyOut from acquired slot `index` (e.g. a restore from memory).
   Status CopyOut(size_t index, std::span<const CopyOutSpan> spans, ThreadPool* pool,
                  uint64_t piece_bytes = kDefaultCopyPieceBytes);
+
+  // ---- The staging engine (see the top of this file) ----------------------
+
+  // Lays out items of `lengths` bytes and acquires slot `index` with room
+  // for them (as AcquireSlot: kFailedPrecondition if it is in use).
+  Result<StagedSave> BeginSave(size_t index, std::span<const uint64_t> lengths,
+                               ThreadPool* pool = nullptr);
+  // Copies each source into the slot of `save` at its item's offset, in
+  // parallel. Checks every source first (item in range, src not null when
+  // the item is not empty; kInvalidArgument) and copies nothing on error.
+  Status CopyItems(const StagedSave& save, std::span<const StageSource> sources, ThreadPool* pool,
+                   uint64_t piece_bytes = kDefaultCopyPieceBytes);
+  // Zeroes every byte of the slot of `save` that belongs to no item.
+  Status ZeroPadding(const StagedSave& save, ThreadPool* pool);
+  // Each item's location in the slot (file 0) with one checksum per
+  // `block_size` block, hashed in parallel over every block of every item.
+  Result<std::vector<ItemLocation>> ItemChecksums(const StagedSave& save, uint64_t block_size,
+                                                  ThreadPool* pool);
+  // Writes the first save.bytes bytes of the slot as data file `key` of
+  // `storage` (WriteDataFile with `opts`): the file then holds every item at
+  // its slot offset, so ItemChecksums describe it. Returns its size
+  // (save.bytes). The slot must be acquired (again, after a restart).
+  Result<uint64_t> WriteDataFile(const StagedSave& save, Storage* storage, std::string_view key,
+                                 const DataFileOptions& opts, ThreadPool* pool);
 
   // The current view of slot `index`, acquired or not (data is null and
   // capacity 0 while this process has not mapped it). For bookkeeping; the
@@ -170,6 +240,9 @@ class StagingPool {
   Status RemoveFilesLocked();
   // The mapping of acquired slot `index`, or an error naming `what`.
   Status AcquiredMemory(size_t index, std::string_view what, char** data, uint64_t* size) const;
+  // AcquiredMemory of save.slot, checked to hold save.bytes.
+  Status SaveMemory(const StagedSave& save, std::string_view what, char** data,
+                    uint64_t* size) const;
 
   StagingPoolOptions opts_;
   mutable std::mutex mu_;

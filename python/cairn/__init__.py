@@ -11,6 +11,8 @@ from cairn.errors import (
     Error,
     InvalidArgumentError,
     NotFoundError,
+    StorageError,
+    TransientError,
 )
 
 __version__ = "0.1.0"

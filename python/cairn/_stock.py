@@ -45,6 +45,7 @@ because DCP planners are not thread-safe.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import io
 import os
 import pathlib
@@ -66,7 +67,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from cairn import _ext
+from cairn import _ext, _pools
 from cairn.errors import CorruptionError, InvalidArgumentError, NotFoundError
 
 __all__ = ["is_stock_checkpoint", "StockReader", "read_stock_metadata", "check_value_is_safe"]
@@ -780,7 +781,8 @@ class StockReader(StorageReader):
 
     Args:
         path: the checkpoint directory (or ``file://`` URI).
-        thread_count: items read in parallel (default: CPUs, at most 8).
+        thread_count: items read in parallel by this reader's own threads (default:
+            the process-wide executor of cairn._pools, CPUs 2 to 8).
         verify_crc: check each tensor item's zip CRC32s (torch.save writes them).
         allow_pickle: hand non-tensor items that need arbitrary unpickling to the
             planner anyway. Only for checkpoints you trust.
@@ -796,7 +798,9 @@ class StockReader(StorageReader):
     ) -> None:
         super().__init__()
         self.path = _local_path(path)
-        self.thread_count = thread_count or min(8, os.cpu_count() or 1)
+        self.thread_count = thread_count or _pools.thread_count("copy")
+        self._own_threads = thread_count
+        self._executor: ThreadPoolExecutor | None = None
         self.verify_crc = verify_crc
         self.allow_pickle = allow_pickle
         self.storage_data: dict[_md.MetadataIndex, _StorageInfo] = {}
@@ -834,6 +838,15 @@ class StockReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    def _thread_pool(self) -> ThreadPoolExecutor:
+        """This reader's own executor when given a thread_count, else the
+        process-wide one (cairn._pools); never one per call."""
+        if self._own_threads is None:
+            return _pools.python_executor()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self._own_threads, thread_name_prefix="cairn-stock")
+        return self._executor
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list] = collections.defaultdict(list)
         for req in plan.items:
@@ -856,13 +869,16 @@ class StockReader(StorageReader):
                 for rel, req in jobs:
                     self._read_item(rel, *fds[rel], req, planner)
             else:
-                with ThreadPoolExecutor(min(self.thread_count, len(jobs))) as pool:
-                    futures = [
-                        pool.submit(self._read_item, rel, *fds[rel], req, planner)
-                        for rel, req in jobs
-                    ]
+                pool = self._thread_pool()
+                futures = [
+                    pool.submit(self._read_item, rel, *fds[rel], req, planner)
+                    for rel, req in jobs
+                ]
+                try:
                     for f in futures:
                         f.result()
+                finally:
+                    concurrent.futures.wait(futures)  # the fds close only after every read
         finally:
             for fd, _ in fds.values():
                 os.close(fd)

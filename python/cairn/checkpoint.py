@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from cairn import _ext
+from cairn import _ext, _pools
 from cairn.errors import NotFoundError
 
 __all__ = ["latest_valid", "verify", "list_checkpoints", "copy_checkpoint"]
@@ -18,8 +18,6 @@ def _root_uri(path: str | os.PathLike) -> str:
     return s
 
 
-def _default_pool() -> _ext.ThreadPool:
-    return _ext.ThreadPool(max(16, min(32, 2 * (os.cpu_count() or 1))))
 
 
 def latest_valid(root: str | os.PathLike) -> str | None:
@@ -64,7 +62,7 @@ def verify(path: str | os.PathLike) -> None:
     missing file, damaged or missing manifest) and :class:`cairn.NotFoundError`
     when ``path`` does not exist.
     """
-    _ext.verify(_root_uri(path), _default_pool())
+    _ext.verify(_root_uri(path), _pools.io_pool())
 
 
 def copy_checkpoint(
@@ -86,7 +84,7 @@ def copy_checkpoint(
     uncommitted. Raises :class:`cairn.CorruptionError` if ``src`` is damaged
     and :class:`cairn.NotFoundError` if it does not exist.
     """
-    pool = _ext.ThreadPool(thread_count) if thread_count else _default_pool()
+    pool = _ext.ThreadPool(thread_count) if thread_count else _pools.io_pool()
     _ext.copy_checkpoint(
         _root_uri(src),
         _root_uri(dst),

@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from cairn import _ext
+from cairn import _ext, _pools
 from cairn.errors import (
     CorruptionError,
     Error,
@@ -128,10 +128,10 @@ def _local_path(uri: str) -> str | None:
     return uri
 
 
-def _default_threads() -> int:
-    # I/O threads mostly wait on the device; more requests in flight keep it
-    # busy (16 measured ~1.2x faster than 4 on a 2-core VM with virtio disk).
-    return max(16, min(32, 2 * (os.cpu_count() or 1)))
+def _io_pool(thread_count: int | None) -> _ext.ThreadPool:
+    """A Writer's or Reader's I/O pool: its own when it was given a thread_count,
+    else the process-wide one (cairn._pools)."""
+    return _ext.ThreadPool(thread_count) if thread_count else _pools.io_pool()
 
 
 def _check_serialization_format(fmt: Any) -> None:
@@ -254,8 +254,8 @@ class Writer(StorageWriter):
             for tiers that need no durability, e.g. shared memory); the
             manifest's commit is always durable (docs/format.md). ``sync``, cairn's
             older name for it, wins when given.
-        thread_count: I/O threads per rank (default: 16 to 32, where
-            FileSystemWriter's is 1).
+        thread_count: I/O threads of this writer's own pool (default: the
+            process-wide pool, 16 to 32 threads).
         per_thread_copy_ahead: accepted, no effect: cairn copies a rank's
             device tensors to host memory before writing them.
         cache_staged_state_dict: must be False: cairn.Writer is not a
@@ -324,7 +324,8 @@ class Writer(StorageWriter):
         self.single_file_per_rank = bool(single_file_per_rank)
         self.per_thread_copy_ahead = per_thread_copy_ahead
         self.overwrite = bool(overwrite)
-        self.thread_count = thread_count or _default_threads()
+        self.thread_count = thread_count or _pools.thread_count("io")
+        self._own_threads = thread_count
         self.direct_io = direct_io
         self.sync = bool(sync_files if sync is None else sync)
         self.block_size = block_size
@@ -383,7 +384,7 @@ class Writer(StorageWriter):
 
     def _thread_pool(self) -> _ext.ThreadPool:
         if self._pool is None:
-            self._pool = _ext.ThreadPool(self.thread_count)
+            self._pool = _io_pool(self._own_threads)
         return self._pool
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -586,7 +587,8 @@ class Reader(StorageReader):
             and a stock checkpoint saved with ``_extensions`` (e.g. ZStandard)
             is refused with :class:`cairn.InvalidArgumentError` naming the
             item, whatever the registry.
-        thread_count: I/O threads (default: 16 to 32).
+        thread_count: I/O threads of this reader's own pool (default: the
+            process-wide pool, 16 to 32 threads).
         allow_pickle: load non-tensor values that need unrestricted unpickling.
             By default each must decode with ``torch.load(weights_only=True)``
             plus cairn's allowlist ``cairn._stock.SAFE_VALUE_GLOBALS``
@@ -613,7 +615,8 @@ class Reader(StorageReader):
         super().__init__()
         self.path: str | None = None
         self._extension_registry = _extension_registry
-        self.thread_count = thread_count or _default_threads()
+        self.thread_count = thread_count or _pools.thread_count("io")
+        self._own_threads = thread_count
         # DCP's planner unpickles non-tensor values with weights_only=False: a
         # hostile checkpoint could run code through one. Unless the caller trusts
         # the checkpoint, every value must first decode with weights_only=True.
@@ -724,7 +727,7 @@ class Reader(StorageReader):
 
     def _thread_pool(self) -> _ext.ThreadPool:
         if self._pool is None:
-            self._pool = _ext.ThreadPool(self.thread_count)
+            self._pool = _io_pool(self._own_threads)
         return self._pool
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

@@ -12,21 +12,22 @@ Protocol of one save (every rank; the coordinator is rank 0 of the checkpoint gr
   1. Wait for the previous save; if it failed, raise its error now (training may go on).
   2. Stage (blocking): ``dcp.save`` with a staging writer. DCP plans on the dedicated
      gloo group; each rank's ``write_data`` uncommits the memory-tier checkpoint held by
-     the slot it is about to reuse, lays its items out 4 KiB-aligned in that slot (a
-     file in shared memory, mapped once and pre-faulted, reused across saves) and
-     copies them in with a parallel memcpy (GPU tensors: device-to-host on a side
-     stream into the slot registered as pinned memory). ``save()`` returns here.
+     the slot it is about to reuse and stages its items into that slot (a file in
+     shared memory, mapped once and pre-faulted, reused across saves) with the staging
+     engine (``cairn._staging.SlotStager`` over the C++ ``StagingPool``): the data-file
+     layout, one parallel memcpy, GPU tensors device-to-host on a side stream into the
+     slot registered as pinned memory, padding zeroed. ``save()`` returns here.
   3. Persist (a background thread whose I/O runs in C++ with the GIL released):
-     a. checksum this rank's items in the slot;
+     a. checksum this rank's items in the slot (one C++ call);
      b. all-gather (checksums, sizes, error) on the checkpoint group;
      c. commit the manifest into the slot directory (local rank 0 of every node):
         the memory tier now holds step N;
      d. for each slower tier this save goes to (local, then durable): every rank
         uncommits ``step_N`` there (a leftover from an older attempt), writes its slot
-        file to ``step_N/data/r<rank>.bin`` and fsyncs it; all-gather the outcome; the
-        coordinator commits the manifest (temp file, fsync, rename, fsync directory)
-        only if every rank succeeded, then prunes the tier to its newest ``keep``
-        committed checkpoints and removes partial leftovers of crashed saves.
+        out as ``step_N/data/r<rank>.bin`` (same layout) and fsyncs it; all-gather the
+        outcome; the coordinator commits the manifest (temp file, fsync, rename, fsync
+        directory) only if every rank succeeded, then prunes the tier to its newest
+        ``keep`` committed checkpoints and removes partial leftovers of crashed saves.
   4. An error in 3 is kept and raised by the next ``save()``/``wait()``/``close()``.
 
 Restore: every rank lists the (step, tier) pairs it can see; the ranks agree on the
@@ -40,7 +41,6 @@ Every collective runs on a dedicated gloo group with a timeout; ``wait()`` has o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import io
@@ -57,7 +57,6 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
@@ -65,7 +64,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from cairn import _chaos, _ext, _memory_budget
+from cairn import _chaos, _ext, _memory_budget, _pools
+from cairn._staging import SlotStager, byte_source, staged_nbytes
 from cairn.dcp import Reader, _Location, _manifest_body
 from cairn.errors import CorruptionError, Error, InvalidArgumentError, TimeoutError
 from cairn.state import RNGState
@@ -74,7 +74,6 @@ __all__ = ["CheckpointManager", "memory_tier_name"]
 
 log = logging.getLogger(__name__)
 
-_ALIGN = int(_ext.ITEM_ALIGNMENT)
 _RUN_ID_FILE = "cairn.run"
 
 
@@ -107,6 +106,7 @@ class _StagingWriter(StorageWriter):
         self.metadata: Metadata | None = None
         self.results: list[list[WriteResult]] | None = None
         self.local_results: list[WriteResult] = []
+        self.staged: Any = None  # the _ext.StagedSave of this rank's items
         self.used = 0
         self.capacity = 0
         self.address = 0
@@ -125,68 +125,32 @@ class _StagingWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         mgr = self.mgr
-        key = f"data/r{mgr.rank}.bin"
-        keep_alive: list[Any] = []
-        items = []  # (write item, source, nbytes, offset)
-        offset = 0
+        key = _ext.data_file_key(mgr.rank)
+        sources = []  # tensors, or uint8 arrays over BYTE_IO values
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                buf = data.getbuffer() if isinstance(data, io.BytesIO) else data
-                src = np.frombuffer(buf, dtype=np.uint8)
-                nbytes = src.nbytes
+                sources.append(byte_source(data.getbuffer() if isinstance(data, io.BytesIO)
+                                           else data))
             else:
-                src = data.detach()
-                if src.device.type == "cpu" and not src.is_contiguous():
-                    src = src.contiguous()
-                nbytes = src.numel() * src.element_size()
-            keep_alive.append(src)
-            items.append((item, src, nbytes, offset))
-            offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        used = max(offset, _ALIGN)
+                sources.append(data.detach())
         # Room for the slot on this node, checked before anything in it changes.
-        mgr._budget.check(self.slot, used)
+        mgr._budget.check(self.slot, int(_ext.staged_bytes([staged_nbytes(s) for s in sources])))
         # The slot may still hold an older memory-tier checkpoint: uncommit it before
         # a single byte of it changes.
         _ext.uncommit(mgr._slot_uri(self.slot))
-        if slot_index_pinned := mgr._registered.get(self.slot):
-            if slot_index_pinned[1] < used:  # growing may move the mapping: unpin first
-                mgr._unpin(self.slot)
-        slot = mgr._pool.acquire_slot(self.slot, used)
+        staged, _ = mgr._stager.stage(self.slot, sources,
+                                      midway=lambda: _chaos.point("stage"))  # half written
         mgr._slot_held = self.slot
-        spans, gpu = [], []
-        for _, src, nbytes, off in items:
-            if nbytes == 0:
-                continue
-            if isinstance(src, torch.Tensor) and src.device.type != "cpu":
-                gpu.append((src, off))
-            elif isinstance(src, torch.Tensor) and mgr._device_path_for_tests:
-                gpu.append((src, off))
-            elif isinstance(src, torch.Tensor):
-                spans.append((src.data_ptr(), off, nbytes))
-            else:
-                spans.append((src.ctypes.data, off, nbytes))
-        if gpu:
-            mgr._stage_device_tensors(self.slot, slot, gpu)
-        half = len(spans) // 2
-        mgr._pool.copy_in(self.slot, spans[:half])
-        _chaos.point("stage")  # the slot is uncommitted and half written
-        mgr._pool.copy_in(self.slot, spans[half:])
-        # Alignment gaps and the slot's tail are padding, which a checkpoint keeps
-        # zero (verify checks it); a reused slot may hold older bytes there.
-        buf = mgr._pool.buffer(self.slot)
-        for _, _, nbytes, off in items:
-            buf[off + nbytes:off + (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN] = 0
-        buf[used:] = 0
-        del buf
-        del keep_alive
-        self.used = used
-        self.capacity = int(slot["capacity"])
-        self.address = int(slot["address"])
+        del sources
+        self.staged = staged
+        self.used = int(staged.bytes)
+        self.capacity = int(staged.capacity)
+        self.address = int(staged.address)
         self.local_results = [
-            WriteResult(index=item.index, size_in_bytes=nbytes,
-                        storage_data=_Location(key, self.capacity, off, nbytes, ()))
-            for item, _, nbytes, off in items
+            WriteResult(index=item.index, size_in_bytes=length,
+                        storage_data=_Location(key, self.capacity, off, length, ()))
+            for item, off, length in zip(plan.items, staged.offsets, staged.lengths)
         ]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(self.local_results)
@@ -239,7 +203,8 @@ class CheckpointManager:
         process_group: the group whose ranks checkpoint together (default: the world).
             The manager creates its own gloo group over those ranks.
         timeout: seconds for every collective and wait (default 600).
-        thread_count: I/O threads per rank.
+        thread_count: I/O threads of this manager's own pool (default: the process-wide
+            pool, cairn._pools.io_pool()).
         direct_io: O_DIRECT writes to the local and durable tiers where possible.
         memory_limit: the most node shared memory this run's memory tier may hold on
             each node (every local rank's slots together): bytes (int), or a fraction
@@ -283,7 +248,9 @@ class CheckpointManager:
         self.durable_every = durable_every
         self.timeout = float(timeout)
         self.direct_io = direct_io
-        self._threads = _ext.ThreadPool(thread_count or max(2, min(8, os.cpu_count() or 2)))
+        # Writes to the slower tiers: this manager's own pool when thread_count is
+        # given, else the process-wide one.
+        self._io_pool = _ext.ThreadPool(thread_count) if thread_count else _pools.io_pool()
         self._closed = False
         self._inflight: _Save | None = None
         self._last: _Save | None = None
@@ -293,10 +260,6 @@ class CheckpointManager:
         self._slot_held: int | None = None
         # (step, tier) of the last successful restore(), e.g. (20, "memory").
         self.restored: tuple[int, str] | None = None
-        self._registered: dict[int, tuple[int, int]] = {}  # slot -> pinned (address, size)
-        self._stream: Any = None  # the CUDA side stream of device-to-host staging
-        # Tests route CPU tensors through the device staging path (its CPU fallback).
-        self._device_path_for_tests = False
 
         # The checkpoint group: its own gloo group, so checkpoint collectives never
         # interleave with training collectives, each bounded by `timeout`.
@@ -335,7 +298,9 @@ class CheckpointManager:
         # forked before that would otherwise inherit the slot files' locks and
         # could keep a restarted process out of its own slots.
         self._pool_obj: Any = None
-        self._pool_threads = max(2, min(8, os.cpu_count() or 2))
+        self._stager_obj: SlotStager | None = None
+        # Tests route CPU tensors through the device staging path (its CPU fallback).
+        self._device_path_for_tests = False
         self._next_slot = self._agree(self._oldest_slot() if self.is_coordinator else 0)
 
     # ---- small helpers -----------------------------------------------------------
@@ -345,8 +310,17 @@ class CheckpointManager:
         if self._pool_obj is None:
             self._pool_obj = _ext.StagingPool(self.shm_dir, rank=self.rank,
                                               num_slots=self.num_slots,
-                                              threads=self._pool_threads, remove_on_close=True)
+                                              threads=_pools.thread_count("copy"),
+                                              remove_on_close=True)
         return self._pool_obj
+
+    @property
+    def _stager(self) -> SlotStager:
+        """The staging engine's Python side (device copies, pinning) over the pool."""
+        if self._stager_obj is None:
+            self._stager_obj = SlotStager(self._pool)
+        self._stager_obj.device_path_for_tests = self._device_path_for_tests
+        return self._stager_obj
 
     @staticmethod
     def _tier_uri(path: str | os.PathLike, what: str) -> str:
@@ -498,10 +472,8 @@ class CheckpointManager:
         err = None
         sums: list[tuple[int, ...]] = []
         try:
-            for wr in w.local_results:
-                loc = wr.storage_data
-                sums.append(tuple(self._pool.checksums(slot, loc.offset, loc.length,
-                                                       int(_ext.DEFAULT_BLOCK_SIZE))))
+            sums = [tuple(c) for c in self._pool.item_checksums(w.staged,
+                                                                 int(_ext.DEFAULT_BLOCK_SIZE))]
         except BaseException as e:
             err = f"rank {self.rank}: checksumming staged data: {e}"
         # b. everyone learns everyone's outcome.
@@ -535,10 +507,10 @@ class CheckpointManager:
         err, size = None, 0
         try:
             _ext.uncommit(uri)
-            size, _ = _ext.write_data_file(uri, f"data/r{self.rank}.bin",
-                                           [(rec.writer.address, rec.writer.used)], self._threads,
-                                           direct_io=self.direct_io, sync=True,
-                                           block_size=int(_ext.DEFAULT_BLOCK_SIZE))
+            size = self._pool.write_data_file(rec.writer.staged, uri,
+                                              _ext.data_file_key(self.rank), self._io_pool,
+                                              direct_io=self.direct_io, sync=True,
+                                              block_size=int(_ext.DEFAULT_BLOCK_SIZE))
         except BaseException as e:
             err = f"rank {self.rank}: writing {uri}: {e}"
         _chaos.point("persist")  # data files written, manifest not yet
@@ -583,45 +555,6 @@ class CheckpointManager:
                                    after_uncommit=lambda name: _chaos.point("prune"))
         except Error as e:
             log.warning("cairn: pruning %s: %s", tier, e)
-
-    def _unpin(self, slot_index: int) -> None:
-        old = self._registered.pop(slot_index, None)
-        if old is not None:
-            torch.cuda.cudart().cudaHostUnregister(old[0])
-
-    def _stage_device_tensors(self, slot_index: int, slot: dict, items: list) -> None:
-        """Copies tensors that are not in host memory into the slot at their offsets.
-
-        On CUDA: device-to-host copies on a side stream that first waits for the work
-        already queued on the tensors' streams (the optimizer step), into the slot
-        registered as pinned memory so the copies run at full speed (write_data
-        unpinned the slot before it could grow and move). Any other device (and the
-        tests, with CPU tensors) goes through a plain ``copy_`` into the slot view."""
-        buf = torch.from_numpy(self._pool.buffer(slot_index))
-        cuda = [src.device for src, _ in items if src.device.type == "cuda"]
-        stream = None
-        if cuda:
-            addr, cap = int(slot["address"]), int(slot["capacity"])
-            if self._registered.get(slot_index) != (addr, cap):
-                self._unpin(slot_index)
-                # cudaHostRegisterPortable (1): pinned for every CUDA context.
-                err = torch.cuda.cudart().cudaHostRegister(addr, cap, 1)
-                if int(err) != 0:
-                    raise Error(f"cudaHostRegister of the staging slot failed (error {int(err)})")
-                self._registered[slot_index] = (addr, cap)
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            stream = self._stream
-            for dev in set(cuda):
-                stream.wait_stream(torch.cuda.current_stream(dev))
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            for src, off in items:
-                nbytes = src.numel() * src.element_size()
-                dst = buf[off:off + nbytes].view(src.dtype).view(src.shape)
-                dst.copy_(src, non_blocking=stream is not None)
-        if stream is not None:
-            stream.synchronize()
 
     # ---- waiting and closing ---------------------------------------------------------
 
@@ -676,9 +609,9 @@ class CheckpointManager:
                 self.wait()
         finally:
             self._closed = True
-            for slot_index in list(self._registered):
+            if self._stager_obj is not None:
                 try:
-                    self._unpin(slot_index)
+                    self._stager_obj.unpin_all()
                 except Exception:  # noqa: BLE001 - best effort at shutdown
                     pass
             if self._pool_obj is not None:

@@ -18,22 +18,27 @@ buffers allocated once and reused instead::
     fut.result()
     stager.close()                                # frees the shared memory
 
+The stager is DCP's own ``DefaultStager`` where that already does the same thing: it
+takes DCP's ``StagingOptions`` (pinned memory, non-blocking copies), and DCP's
+``stage()``/``synchronize_staging()``/``close()`` drive it. What it replaces is the
+copy: DCP allocates a fresh copy per save, cairn copies into reusable slots of the
+C++ staging engine (``StagingPool``, include/cairn/staging.h) through
+``cairn._staging.SlotStager``, the same path as the CheckpointManager's.
+
 Protocol of one ``stage(state_dict)``:
   1. Walk the state dict (dicts, lists, tuples; DTensors by their local shard) and
-     lay its tensors out back to back in one buffer (64-byte aligned; 4 KiB for
-     tensors of 1 MiB or more).
+     collect its distinct tensors.
   2. Pick a slot, oldest first: a slot never used or whose tracked save completed;
      otherwise the oldest slot, waiting (up to ``timeout``) for its tracked save to
      complete. An untracked slot is taken as done (see the contract below).
-  3. Acquire the slot from the ``_ext.StagingPool`` (a file in /dev/shm, mapped once,
-     pre-faulted, grown only when the state grows), so after the first save no page
-     fault and no allocation happens.
-  4. Copy: CUDA tensors device-to-host on a side stream per device (which first waits
-     for the device's current stream) into the slot, registered once as pinned memory
-     (``cudaHostRegister``); meanwhile contiguous CPU tensors are copied by one parallel
-     memcpy in C++ with the GIL released; other CPU tensors (non-contiguous, conjugate
-     or negative views) by ``Tensor.copy_``; then the side streams are synchronized.
-  5. Return the same structure with each tensor replaced by a CPU tensor viewing the
+  3. Stage the tensors into the slot with the staging engine (``SlotStager.stage``):
+     laid out as a data file lays them out (format.h: 4 KiB aligned), into a file in
+     /dev/shm mapped once, pre-faulted and grown only when the state grows (so after
+     the first save no page fault and no allocation happens); CUDA tensors
+     device-to-host on a side stream per device into the slot registered as pinned
+     memory, contiguous CPU tensors by one parallel memcpy in C++ with the GIL
+     released, other CPU tensors by ``Tensor.copy_``.
+  4. Return the same structure with each tensor replaced by a CPU tensor viewing the
      slot (same dtype, shape, requires_grad; a DTensor rebuilt around its staged local
      shard with the same spec) and every other value deep-copied. Training may
      mutate the originals as soon as ``stage`` returns.
@@ -55,31 +60,21 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import fcntl
-import gc
 import os
 import shutil
 import uuid
-import warnings
 import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from cairn import _ext
+from cairn import _ext, _pools
+from cairn._staging import SlotStager
 from cairn.errors import InvalidArgumentError, PreconditionError, TimeoutError
 
 __all__ = ["SharedMemoryStager"]
-
-_SMALL_ALIGN = 64
-_LARGE_ALIGN = 4096
-_LARGE = 1 << 20
-
-
-def _align(nbytes: int) -> int:
-    return _LARGE_ALIGN if nbytes >= _LARGE else _SMALL_ALIGN
-
 
 _PREFIX = "cairn-stager-"
 
@@ -157,16 +152,21 @@ class _Slot:
         return not self.used or (self.future is not None and self.future.done())
 
 
-class SharedMemoryStager(AsyncStager):
+class SharedMemoryStager(DefaultStager):
     """An ``AsyncStager`` for ``dcp.async_save`` that stages into reusable buffers in
     node shared memory (see the module docstring for the protocol and contract).
 
     Args:
         slots: staging buffers (>= 1): saves in flight while the next one stages + 1.
-        threads: memcpy threads, counting the calling one (default: up to 8).
+        threads: memcpy threads, counting the calling one (default: the "copy" size
+            of ``cairn._pools.thread_count``).
         timeout: seconds ``stage`` waits for a tracked save to free its slot.
         pin_memory: register the slots as pinned CUDA host memory when CUDA tensors
             are staged (device-to-host copies then run asynchronously on a side stream).
+        options: DCP ``StagingOptions``; ``use_pinned_memory`` is ``pin_memory`` (given
+            both, both must allow pinning), ``use_shared_memory`` must be True (the
+            slots are shared memory) and ``use_async_staging`` False (``stage``
+            returns once its copies are complete).
 
     Owns its shared-memory directory (``shm_dir``, unique to this stager); ``close()``
     deletes it.
@@ -175,53 +175,61 @@ class SharedMemoryStager(AsyncStager):
     _synchronize_after_execute = False  # stage() returns once the copy is complete
 
     def __init__(self, slots: int = 2, *, threads: int | None = None, timeout: float = 600.0,
-                 pin_memory: bool = True) -> None:
+                 pin_memory: bool = True, options: StagingOptions | None = None) -> None:
         if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
             raise InvalidArgumentError(f"slots must be an int >= 1, got {slots!r}")
         if not timeout or timeout <= 0:
             raise InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if options is not None:
+            if options.use_async_staging or not options.use_shared_memory:
+                raise InvalidArgumentError(
+                    "SharedMemoryStager stages synchronously into shared memory: pass "
+                    "StagingOptions(use_async_staging=False, use_shared_memory=True)")
+            pin_memory = pin_memory and options.use_pinned_memory
+        accel = torch.accelerator.is_available()
+        super().__init__(StagingOptions(use_pinned_memory=bool(pin_memory) and accel,
+                                        use_shared_memory=True, use_async_staging=False,
+                                        use_non_blocking_copy=bool(pin_memory) and accel))
         self.timeout = float(timeout)
-        self.pin_memory = bool(pin_memory)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.shm_dir = _ext.shm_directory(f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         _remove_stale(os.path.dirname(self.shm_dir))
         self._pool = _ext.StagingPool(self.shm_dir, rank=rank, num_slots=slots,
-                                      threads=threads or max(2, min(8, os.cpu_count() or 2)),
+                                      threads=threads or _pools.thread_count("copy"),
                                       remove_on_close=True)
         # Frees the shared memory if close() is never called (garbage collection or
         # interpreter exit); a crash leaves files that the next stager on the node removes.
         self._finalizer = weakref.finalize(self, _free, self._pool, self.shm_dir)
+        self._engine = SlotStager(self._pool, pin_memory=bool(pin_memory))
         self._slots = [_Slot(i) for i in range(slots)]
         self._stages = 0
-        self._registered: dict[int, tuple[int, int]] = {}  # slot -> pinned (address, size)
-        self._streams: dict[torch.device, Any] = {}
         self._closed = False
         self.last_stage_bytes = 0
 
-    # ---- the AsyncStager protocol ------------------------------------------------
+    @property
+    def pin_memory(self) -> bool:
+        return self._engine.pin_memory
+
+    @property
+    def _registered(self) -> dict[int, tuple[int, int]]:
+        """slot -> (address, size) registered as pinned memory."""
+        return self._engine.registered
+
+    # ---- the AsyncStager protocol (DefaultStager.stage calls _stage) -------------
 
     @torch.no_grad()
-    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+    def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
         """Returns a copy of `state_dict` whose tensors live in a staging slot."""
         if self._closed:
             raise PreconditionError("SharedMemoryStager is closed")
-        leaves: dict[int, tuple[torch.Tensor, int, int]] = {}  # id -> (src, offset, nbytes)
-        keep: list[torch.Tensor] = []  # keeps ids unique while we walk
-        total = 0
+        leaves: dict[int, torch.Tensor] = {}  # id -> distinct tensor (kept alive here)
 
         def collect(x: Any) -> None:
-            nonlocal total
             if isinstance(x, torch.Tensor):
                 src = self._local(x)
-                if id(src) in leaves:
-                    return
-                self._check_tensor(src)
-                nbytes = src.numel() * src.element_size()
-                if nbytes:
-                    total = (total + _align(nbytes) - 1) // _align(nbytes) * _align(nbytes)
-                leaves[id(src)] = (src, total, nbytes)
-                keep.append(src)
-                total += nbytes
+                if id(src) not in leaves:
+                    self._check_tensor(src)
+                    leaves[id(src)] = src
             elif isinstance(x, dict):
                 for v in x.values():
                     collect(v)
@@ -231,25 +239,31 @@ class SharedMemoryStager(AsyncStager):
 
         collect(state_dict)
         self._stages += 1
+        srcs = list(leaves.values())
         views: dict[int, torch.Tensor] = {}
-        if total:
+        total = 0
+        if any(t.numel() for t in srcs):
             slot = self._take_slot()
-            info, base = self._acquire(slot.index, total)
-            self._copy(slot.index, info, base, leaves.values(), views)
+            if self._pool.in_use(slot.index):
+                self._pool.release(slot.index)
+            staged, staged_views = self._engine.stage(slot.index, srcs, views=True)
+            total = int(staged.end)
+            for src, dst in zip(srcs, staged_views):
+                if dst is not None:
+                    if src.requires_grad:
+                        dst.requires_grad_(True)
+                    views[id(src)] = dst
             slot.used, slot.stamp, slot.future = True, self._stages, None
             slot.awaiting_track = True
             for s in self._slots:
                 if s is not slot:
                     s.awaiting_track = False
-        for src, _, nbytes in leaves.values():
-            if not nbytes:
+        for src in srcs:
+            if id(src) not in views:
                 views[id(src)] = torch.empty(src.shape, dtype=src.dtype,
                                              requires_grad=src.requires_grad)
         self.last_stage_bytes = total
         return self._rebuild(state_dict, views, {})
-
-    def synchronize_staging(self) -> None:
-        """Nothing to wait for: ``stage`` returns once its copies are complete."""
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -285,21 +299,6 @@ class SharedMemoryStager(AsyncStager):
                     f"{self.timeout:.0f}s; every one of the {len(self._slots)} slots is busy")
         return oldest
 
-    def _acquire(self, index: int, nbytes: int) -> tuple[dict, torch.Tensor]:
-        if self._pool.in_use(index):
-            self._pool.release(index)
-        pinned = self._registered.get(index)
-        if pinned is not None and nbytes > pinned[1]:
-            self._unpin(index)  # growing moves the mapping: unregister it while it exists
-        try:
-            info = self._pool.acquire_slot(index, nbytes)
-        except PreconditionError:
-            # The slot must grow, which moves its memory, but tensors over it are still
-            # alive: typically the previous state dict waiting for the collector.
-            gc.collect()
-            info = self._pool.acquire_slot(index, nbytes)
-        return info, torch.frombuffer(self._pool.buffer(index), dtype=torch.uint8)
-
     @property
     def footprint(self) -> int:
         """Bytes of shared memory held by the slots."""
@@ -324,78 +323,6 @@ class SharedMemoryStager(AsyncStager):
             raise InvalidArgumentError(
                 f"SharedMemoryStager stages dense tensors only, got layout {t.layout}, "
                 f"dtype {t.dtype} on {t.device}")
-
-    def _copy(self, index: int, info: dict, base: torch.Tensor, leaves: Any,
-              views: dict[int, torch.Tensor]) -> None:
-        spans, torch_copies, device_copies = [], [], []
-        for src, off, nbytes in leaves:
-            if not nbytes:
-                continue
-            dst = base[off:off + nbytes].view(src.dtype).view(src.shape)
-            if src.requires_grad:
-                dst.requires_grad_(True)
-            views[id(src)] = dst
-            if src.device.type != "cpu":
-                device_copies.append((src, dst))
-            elif src.is_contiguous() and not src.is_conj() and not src.is_neg():
-                spans.append((src.data_ptr(), off, nbytes))
-            else:
-                torch_copies.append((src, dst))
-        streams = self._copy_from_devices(index, info, device_copies) if device_copies else []
-        if spans:
-            self._pool.copy_in(index, spans)
-        for src, dst in torch_copies:
-            dst.detach().copy_(src)
-        for s in streams:
-            s.synchronize()
-
-    def _copy_from_devices(self, index: int, info: dict, items: list) -> list:
-        """Enqueues device-to-host copies; returns the streams to synchronize."""
-        cuda = [(s, d) for s, d in items if s.device.type == "cuda"]
-        for src, dst in items:
-            if src.device.type != "cuda":
-                dst.detach().copy_(src)  # other accelerators: a plain blocking copy
-        if not cuda:
-            return []
-        pinned = self._pin(index, int(info["address"]), int(info["capacity"]))
-        streams = []
-        for device in {s.device for s, _ in cuda}:
-            stream = self._streams.get(device)
-            if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device)
-            # The tensors may still be written by kernels queued on the current stream.
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for src, dst in cuda:
-                    if src.device == device:
-                        dst.detach().copy_(src, non_blocking=pinned)
-            streams.append(stream)
-        return streams
-
-    def _pin(self, index: int, address: int, size: int) -> bool:
-        """Registers slot `index` as pinned host memory (again if it moved)."""
-        if not self.pin_memory:
-            return False
-        if self._registered.get(index) == (address, size):
-            return True
-        self._unpin(index)
-        rc = torch.cuda.cudart().cudaHostRegister(address, size, 1)  # cudaHostRegisterPortable
-        if int(rc) != 0:
-            warnings.warn(f"cairn: cudaHostRegister of a {size}-byte staging slot failed "
-                          f"(error {int(rc)}); device-to-host copies will not be asynchronous",
-                          RuntimeWarning, stacklevel=4)
-            self.pin_memory = False
-            return False
-        self._registered[index] = (address, size)
-        return True
-
-    def _unpin(self, index: int) -> None:
-        old = self._registered.pop(index, None)
-        if old is not None:
-            rc = torch.cuda.cudart().cudaHostUnregister(old[0])
-            if int(rc) != 0:
-                warnings.warn(f"cairn: cudaHostUnregister of a staging slot failed "
-                              f"(error {int(rc)})", RuntimeWarning, stacklevel=3)
 
     # ---- rebuilding the structure --------------------------------------------------
 
@@ -444,10 +371,10 @@ class SharedMemoryStager(AsyncStager):
             return
         self._closed = True
         try:
-            for index in list(self._registered):
-                self._unpin(index)
+            self._engine.unpin_all()
         finally:
             self._finalizer()
+            super().close()
 
     def __enter__(self) -> "SharedMemoryStager":
         return self

@@ -483,6 +483,30 @@ Status FileCache::Copy(int64_t id, int fd, const std::string& tmp_path) {
   return Status::OK();
 }
 
+std::vector<int64_t> FileCache::EvictionOrder(int64_t id, uint64_t size, bool demand) {
+  Table& t = *table_;
+  std::vector<std::pair<int64_t, int64_t>> cands;  // (next use, id)
+  int64_t target_use;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    target_use = NextUse(id);
+    if (t.hdr->used + size <= opts_.limit_bytes) return {};  // room already
+    for (uint64_t i = 0; i < t.hdr->n; ++i) {
+      if (t.slots[i].state == kPresent && static_cast<int64_t>(i) != id) {
+        cands.emplace_back(NextUse(static_cast<int64_t>(i)), static_cast<int64_t>(i));
+      }
+    }
+  }
+  // Belady: the file needed last goes first.
+  std::sort(cands.begin(), cands.end(), std::greater<>());
+  std::vector<int64_t> order;
+  for (const auto& [use, cid] : cands) {
+    if (!demand && use <= target_use) break;  // a prefetch never evicts what is needed sooner
+    order.push_back(cid);
+  }
+  return order;
+}
+
 Status FileCache::Fetch(int64_t id, bool demand, bool* admitted) {
   *admitted = false;
   Table& t = *table_;
@@ -554,24 +578,9 @@ Status FileCache::Fetch(int64_t id, bool demand, bool* admitted) {
         waiting_for_room = false;
       } else {
         // kAbsent: make room, then publish our fetch.
-        std::vector<std::pair<int64_t, int64_t>> cands;  // (next use, id)
-        int64_t target_use;
-        {
-          std::lock_guard<std::mutex> l(mu_);
-          target_use = NextUse(id);
-          if (t.hdr->used + f.size > opts_.limit_bytes) {
-            for (uint64_t i = 0; i < t.hdr->n; ++i) {
-              if (t.slots[i].state == kPresent && static_cast<int64_t>(i) != id) {
-                cands.emplace_back(NextUse(static_cast<int64_t>(i)), static_cast<int64_t>(i));
-              }
-            }
-          }
-        }
-        std::sort(cands.begin(), cands.end(), std::greater<>());
-        for (auto& [use, cid] : cands) {
+        for (int64_t victim : EvictionOrder(id, f.size, demand)) {
           if (t.hdr->used + f.size <= opts_.limit_bytes) break;
-          if (!demand && use <= target_use) break;  // would evict something needed sooner
-          std::string cp = FinalPath(cid);
+          std::string cp = FinalPath(victim);
           int fd = ::open(cp.c_str(), O_RDONLY | O_CLOEXEC);
           if (fd >= 0 && FlockNoIntr(fd, LOCK_EX | LOCK_NB) != 0) {
             ::close(fd);  // pinned by a reader
@@ -579,7 +588,7 @@ Status FileCache::Fetch(int64_t id, bool demand, bool* admitted) {
           }
           ::unlink(cp.c_str());
           if (fd >= 0) ::close(fd);
-          FreeSlot(t.hdr, &t.slots[cid]);
+          FreeSlot(t.hdr, &t.slots[victim]);
           ++t.hdr->evictions;
           std::lock_guard<std::mutex> l(mu_);
           ++stats_.evictions;

@@ -56,10 +56,6 @@ namespace {
 
 using internal::kIoPiece;
 
-uint64_t AlignUp(uint64_t v) {
-  return (v + format::kItemAlignment - 1) / format::kItemAlignment * format::kItemAlignment;
-}
-
 // Hashes and writes one block [src, src+len) at `file_off`, in pieces so each
 // piece is still in cache when it is written. With direct I/O and a source
 // that is not page aligned, each piece is first copied into the thread's
@@ -97,20 +93,22 @@ Result<DataFileResult> WriteDataFile(Storage* storage, std::string_view key,
       opts.block_size % format::kItemAlignment != 0) {
     return InvalidArgumentError("block size " + std::to_string(opts.block_size) + " out of range");
   }
-  DataFileResult result;
-  result.items.resize(buffers.size());
-  uint64_t end = 0;
+  std::vector<uint64_t> lengths(buffers.size());
   for (size_t i = 0; i < buffers.size(); ++i) {
-    const BufferRef& b = buffers[i];
-    if (b.size > 0 && b.data == nullptr) {
+    if (buffers[i].size > 0 && buffers[i].data == nullptr) {
       return InvalidArgumentError("buffer " + std::to_string(i) + " is null");
     }
+    lengths[i] = buffers[i].size;
+  }
+  const format::DataFileLayout layout = format::LayOutDataFile(lengths);
+  const uint64_t end = layout.end;
+  DataFileResult result;
+  result.items.resize(buffers.size());
+  for (size_t i = 0; i < buffers.size(); ++i) {
     ItemLocation& loc = result.items[i];
-    loc.length = b.size;
-    if (b.size == 0) continue;  // empty items sit at offset 0 and take no space
-    loc.offset = AlignUp(end);
-    end = loc.offset + b.size;
-    loc.checksums.resize(internal::BlockCount(b.size, opts.block_size));
+    loc.offset = layout.offsets[i];
+    loc.length = lengths[i];
+    loc.checksums.resize(internal::BlockCount(lengths[i], opts.block_size));
   }
   result.file_size = end;
 

@@ -60,6 +60,17 @@ std::string DataFileKey(uint64_t rank) {
   return std::string(kDataDir) + "/r" + std::to_string(rank) + ".bin";
 }
 
+DataFileLayout LayOutDataFile(std::span<const uint64_t> lengths) {
+  DataFileLayout l;
+  l.offsets.resize(lengths.size());
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    if (lengths[i] == 0) continue;
+    l.offsets[i] = AlignItemOffset(l.end);
+    l.end = l.offsets[i] + lengths[i];
+  }
+  return l;
+}
+
 }  // namespace format
 
 namespace {

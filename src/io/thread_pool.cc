@@ -1,6 +1,19 @@
 #include "cairn/thread_pool.h"
 
+#include <algorithm>
+
 namespace cairn {
+
+size_t DefaultThreadCount(PoolKind kind) {
+  size_t cores = std::max<size_t>(std::thread::hardware_concurrency(), 1);
+  switch (kind) {
+    case PoolKind::kIo:
+      return std::clamp<size_t>(2 * cores, 16, 32);
+    case PoolKind::kCopy:
+      return std::clamp<size_t>(cores, 2, 8);
+  }
+  return 2;
+}
 
 ThreadPool::ThreadPool(size_t num_threads) {
   if (num_threads == 0) num_threads = 1;

@@ -91,7 +91,21 @@ void RegisterCheckpoint(nb::module_& m) {
   nb::class_<ThreadPool>(m, "ThreadPool", "A fixed pool of I/O threads (C++ owned).")
       .def(nb::init<size_t>(), nb::arg("num_threads"))
       .def_prop_ro("size", &ThreadPool::size);
+  m.def(
+      "default_thread_count",
+      [](const std::string& kind) {
+        if (kind == "io") return DefaultThreadCount(PoolKind::kIo);
+        if (kind == "copy") return DefaultThreadCount(PoolKind::kCopy);
+        RaiseStatus(
+            InvalidArgumentError("thread pool kind must be 'io' or 'copy', got '" + kind + "'"));
+      },
+      nb::arg("kind"),
+      "Threads cairn gives a pool of `kind` ('io': reads/writes, 'copy': memcpy/hashing) on "
+      "this machine (the one sizing rule, include/cairn/thread_pool.h).");
 
+  m.def(
+      "data_file_key", [](uint64_t rank) { return format::DataFileKey(rank); }, nb::arg("rank"),
+      "The key of rank `rank`'s data file in a checkpoint: 'data/r<rank>.bin'.");
   m.def(
       "dtype_itemsize", [](const std::string& dtype) { return format::DtypeItemSize(dtype); },
       "Bytes per element of a manifest dtype name, 0 if unknown.");
@@ -106,21 +120,11 @@ void RegisterCheckpoint(nb::module_& m) {
         for (const auto& [addr, size] : buffers) {
           refs.push_back({reinterpret_cast<const void*>(addr), size});
         }
-        Result<DataFileResult> r = InternalError("unset");
-        {
-          nb::gil_scoped_release release;
-          auto storage = OpenStorage(uri, /*create=*/true);
-          if (!storage.ok()) {
-            r = storage.status();
-          } else {
-            DataFileOptions opts;
-            opts.direct_io = direct_io;
-            opts.sync = sync;
-            opts.block_size = block_size;
-            r = WriteDataFile(storage->get(), key, refs, &pool, opts);
-          }
-        }
-        DataFileResult res = ValueOrThrow(std::move(r));
+        DataFileOptions opts = MakeDataFileOptions(direct_io, sync, block_size);
+        DataFileResult res =
+            ValueOrThrow(WithStorage<DataFileResult>(uri, /*create=*/true, [&](Storage* st) {
+              return WriteDataFile(st, key, refs, &pool, opts);
+            }));
         nb::list items;
         for (const auto& loc : res.items) {
           nb::list sums;

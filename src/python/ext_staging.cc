@@ -9,7 +9,14 @@
 //   * close() deletes the shared-memory files at once, but the unmapping
 //     waits until the last array is gone.
 // Every call that copies or hashes releases the GIL.
+//
+// The staging engine (StagingPool::BeginSave ... WriteDataFile) is bound as
+// pool.begin_save(index, lengths) -> StagedSave, then pool.copy_items,
+// zero_padding, item_checksums and write_data_file on that StagedSave: Python
+// hands C++ one list of (item, address) descriptors per save and loops over
+// no bytes.
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -21,6 +28,7 @@
 
 #include "cairn/checksum.h"
 #include "cairn/staging.h"
+#include "cairn/storage.h"
 #include "cairn/thread_pool.h"
 #include "common.h"
 
@@ -87,6 +95,12 @@ void CheckNoGrowthUnderViews(PyStagingPool& self, size_t index, uint64_t nbytes)
   }
 }
 
+nb::list ItemList(const std::vector<uint64_t>& v) {
+  nb::list out;
+  for (uint64_t x : v) out.append(x);
+  return out;
+}
+
 StagingSlot AcquiredView(PyStagingPool& self, size_t index) {
   StagingPool& p = self.Checked();
   StagingSlot s = ValueOrThrow(p.Peek(index));
@@ -127,6 +141,22 @@ void RegisterStaging(nb::module_& m) {
       nb::arg("address"), nb::arg("nbytes"), nb::arg("block_size") = kChecksumBlockSize,
       "XXH3-64 of each `block_size` block of `nbytes` at a raw address.");
   m.attr("CHECKSUM_BLOCK_SIZE") = kChecksumBlockSize;
+  m.def(
+      "staged_bytes", [](const std::vector<uint64_t>& lengths) { return StagedBytes(lengths); },
+      nb::arg("lengths"),
+      "The slot bytes a save of items of `lengths` bytes uses (StagedSave.bytes).");
+
+  nb::class_<StagedSave>(m, "StagedSave",
+                         "One save laid out in a staging slot (StagingPool.begin_save): item i "
+                         "at offsets[i], the layout of a data file.")
+      .def_ro("slot", &StagedSave::slot)
+      .def_prop_ro("offsets", [](const StagedSave& s) { return ItemList(s.offsets); })
+      .def_prop_ro("lengths", [](const StagedSave& s) { return ItemList(s.lengths); })
+      .def_ro("end", &StagedSave::end)
+      .def_ro("bytes", &StagedSave::bytes)
+      .def_prop_ro("address",
+                   [](const StagedSave& s) { return reinterpret_cast<uintptr_t>(s.data); })
+      .def_ro("capacity", &StagedSave::capacity);
 
   nb::class_<PyStagingPool>(
       m, "StagingPool",
@@ -187,6 +217,82 @@ void RegisterStaging(nb::module_& m) {
           },
           nb::arg("index"), nb::arg("nbytes") = 0,
           "Acquires slot `index` (nbytes=0 maps what its file already holds).")
+      .def(
+          "begin_save",
+          [](PyStagingPool& self, size_t index, const std::vector<uint64_t>& lengths) {
+            StagingPool& p = self.Checked();
+            CheckNoGrowthUnderViews(self, index, StagedBytes(lengths));
+            Result<StagedSave> r = [&] {
+              nb::gil_scoped_release g;
+              return p.BeginSave(index, lengths, self.helpers());
+            }();
+            return ValueOrThrow(std::move(r));
+          },
+          nb::arg("index"), nb::arg("lengths"),
+          "Lays out items of `lengths` bytes as a data file lays them out and acquires slot "
+          "`index` with room for them; returns the StagedSave.")
+      .def(
+          "copy_items",
+          [](PyStagingPool& self, const StagedSave& save,
+             const std::vector<std::pair<size_t, uintptr_t>>& sources) {
+            StagingPool& p = self.Checked();
+            std::vector<StageSource> v;
+            v.reserve(sources.size());
+            for (auto& [item, src] : sources) {
+              v.push_back(StageSource{item, reinterpret_cast<const void*>(src)});
+            }
+            Status s;
+            {
+              nb::gil_scoped_release g;
+              s = p.CopyItems(save, v, self.helpers());
+            }
+            ThrowIfError(s);
+          },
+          nb::arg("save"), nb::arg("sources"),
+          "Copies each (item, src_address) into the slot at the item's offset, in parallel.")
+      .def(
+          "zero_padding",
+          [](PyStagingPool& self, const StagedSave& save) {
+            StagingPool& p = self.Checked();
+            Status s;
+            {
+              nb::gil_scoped_release g;
+              s = p.ZeroPadding(save, self.helpers());
+            }
+            ThrowIfError(s);
+          },
+          nb::arg("save"), "Zeroes every byte of the slot that belongs to no item.")
+      .def(
+          "item_checksums",
+          [](PyStagingPool& self, const StagedSave& save, uint64_t block_size) {
+            StagingPool& p = self.Checked();
+            Result<std::vector<ItemLocation>> r = [&] {
+              nb::gil_scoped_release g;
+              return p.ItemChecksums(save, block_size, self.helpers());
+            }();
+            std::vector<ItemLocation> locs = ValueOrThrow(std::move(r));
+            nb::list out;
+            for (const ItemLocation& l : locs) out.append(ItemList(l.checksums));
+            return out;
+          },
+          nb::arg("save"), nb::arg("block_size") = kChecksumBlockSize,
+          "Each item's block checksums (XXH3-64 per block), hashed in parallel.")
+      .def(
+          "write_data_file",
+          [](PyStagingPool& self, const StagedSave& save, const std::string& uri,
+             const std::string& key, ThreadPool& io_pool, bool direct_io, bool sync,
+             uint64_t block_size) {
+            StagingPool& p = self.Checked();
+            DataFileOptions opts = MakeDataFileOptions(direct_io, sync, block_size);
+            return ValueOrThrow(WithStorage<uint64_t>(uri, /*create=*/true, [&](Storage* st) {
+              return p.WriteDataFile(save, st, key, opts, &io_pool);
+            }));
+          },
+          nb::arg("save"), nb::arg("uri"), nb::arg("key"), nb::arg("pool"),
+          nb::arg("direct_io") = true, nb::arg("sync") = true,
+          nb::arg("block_size") = kChecksumBlockSize,
+          "Writes the save's bytes of the slot as data file `key` below `uri` (on the I/O "
+          "`pool`); every item keeps its slot offset. Returns the file size.")
       .def(
           "release",
           [](PyStagingPool& self, size_t index) { ThrowIfError(self.Checked().Release(index)); },

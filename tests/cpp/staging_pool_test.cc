@@ -12,7 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "cairn/checkpoint.h"
 #include "cairn/checksum.h"
+#include "cairn/format.h"
 #include "cairn/staging.h"
 #include "cairn/storage.h"
 
@@ -365,6 +367,142 @@ TEST(ChecksumTest, BlockChecksumsCoverEachBlock) {
   EXPECT_TRUE(BlockChecksums(nullptr, 0, 1 << 20, nullptr)->empty());
   EXPECT_EQ(BlockChecksums(data.data(), 1, 0, nullptr).status().code(),
             StatusCode::kInvalidArgument);
+}
+
+// ---- The staging engine: one save into one slot ------------------------------
+
+TEST(DataFileLayoutTest, ItemsArePageAlignedInOrderAndEmptyOnesTakeNoSpace) {
+  std::vector<uint64_t> lengths = {10, 0, 4096, 1, 5000};
+  format::DataFileLayout l = format::LayOutDataFile(lengths);
+  EXPECT_EQ(l.offsets, (std::vector<uint64_t>{0, 0, 4096, 8192, 12288}));
+  EXPECT_EQ(l.end, 12288u + 5000u);
+  EXPECT_EQ(format::LayOutDataFile(std::vector<uint64_t>{}).end, 0u);
+  EXPECT_EQ(format::LayOutDataFile(std::vector<uint64_t>{0, 7}).offsets[1], 0u);
+}
+
+// A save of `srcs` into slot 0 through the whole engine.
+Result<StagedSave> StageAll(StagingPool* pool, const std::vector<std::vector<char>>& srcs,
+                            ThreadPool* threads) {
+  std::vector<uint64_t> lengths;
+  std::vector<StageSource> sources;
+  for (const auto& v : srcs) lengths.push_back(v.size());
+  CAIRN_ASSIGN_OR_RETURN(StagedSave save, pool->BeginSave(0, lengths, threads));
+  for (size_t i = 0; i < srcs.size(); ++i) sources.push_back({i, srcs[i].data()});
+  CAIRN_RETURN_IF_ERROR(pool->CopyItems(save, sources, threads, 1 << 20));
+  CAIRN_RETURN_IF_ERROR(pool->ZeroPadding(save, threads));
+  return save;
+}
+
+TEST_F(StagingPoolTest, AStagedSlotHoldsTheItemsAtTheirOffsetsAndZerosElsewhere) {
+  auto pool = OpenPool(0, 1);
+  ThreadPool threads(2);
+  // An older, bigger save leaves bytes everywhere.
+  ASSERT_TRUE(StageAll(pool.get(), {Pattern(3 << 20, 9)}, &threads).ok());
+  ASSERT_TRUE(pool->Release(0).ok());
+  std::vector<std::vector<char>> srcs = {Pattern(100, 1), {}, Pattern(70000, 2), Pattern(1, 3)};
+  auto save = StageAll(pool.get(), srcs, &threads);
+  ASSERT_TRUE(save.ok()) << save.status().ToString();
+  EXPECT_EQ(save->offsets, (std::vector<uint64_t>{0, 0, 4096, 77824}));
+  EXPECT_EQ(save->end, 77825u);
+  EXPECT_EQ(save->bytes, 81920u);
+  EXPECT_GE(save->capacity, 3u << 20);  // kept its size: the tail must be zero too
+  std::vector<char> expect(save->capacity, 0);
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    std::copy(srcs[i].begin(), srcs[i].end(), expect.begin() + save->offsets[i]);
+  }
+  EXPECT_EQ(std::memcmp(save->data, expect.data(), expect.size()), 0);
+}
+
+TEST_F(StagingPoolTest, ItemChecksumsAreEachItemsBlockChecksums) {
+  auto pool = OpenPool(0, 1);
+  ThreadPool threads(3);
+  std::vector<std::vector<char>> srcs = {Pattern(3 << 20, 1), Pattern(5, 2), {}, Pattern(9999, 3)};
+  auto save = StageAll(pool.get(), srcs, &threads);
+  ASSERT_TRUE(save.ok());
+  auto locs = pool->ItemChecksums(*save, 1 << 20, &threads);
+  ASSERT_TRUE(locs.ok()) << locs.status().ToString();
+  ASSERT_EQ(locs->size(), srcs.size());
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    auto want = BlockChecksums(srcs[i].data(), srcs[i].size(), 1 << 20, nullptr);
+    EXPECT_EQ((*locs)[i].checksums, *want) << "item " << i;
+    EXPECT_EQ((*locs)[i].offset, save->offsets[i]);
+    EXPECT_EQ((*locs)[i].length, srcs[i].size());
+  }
+  EXPECT_EQ(pool->ItemChecksums(*save, 0, nullptr).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(StagingPoolTest, AWrittenSlotIsTheDataFileWriteDataFileMakesOfTheItems) {
+  auto pool = OpenPool(0, 1);
+  ThreadPool threads(2);
+  std::vector<std::vector<char>> srcs = {Pattern(12345, 1), {}, Pattern(2 << 20, 2), Pattern(3, 3)};
+  auto save = StageAll(pool.get(), srcs, &threads);
+  ASSERT_TRUE(save.ok());
+  char tmpl[] = "/tmp/cairn_staging_test_XXXXXX";
+  std::string dir = mkdtemp(tmpl);
+  auto storage = OpenStorage(dir);
+  ASSERT_TRUE(storage.ok());
+  DataFileOptions opts;
+  opts.sync = false;
+  auto size = pool->WriteDataFile(*save, storage->get(), "slot.bin", opts, &threads);
+  ASSERT_TRUE(size.ok()) << size.status().ToString();
+  EXPECT_EQ(*size, save->bytes);
+  std::vector<BufferRef> refs;
+  for (const auto& v : srcs) refs.push_back({v.data(), v.size()});
+  auto direct = WriteDataFile(storage->get(), "items.bin", refs, &threads, opts);
+  ASSERT_TRUE(direct.ok());
+  auto locs = pool->ItemChecksums(*save, opts.block_size, &threads);
+  ASSERT_TRUE(locs.ok());
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    EXPECT_EQ(direct->items[i].offset, (*locs)[i].offset) << "item " << i;
+    EXPECT_EQ(direct->items[i].checksums, (*locs)[i].checksums) << "item " << i;
+  }
+  auto read = [&](const std::string& name) {
+    std::ifstream in(dir + "/" + name, std::ios::binary);
+    return std::vector<char>(std::istreambuf_iterator<char>(in), {});
+  };
+  std::vector<char> slot_file = read("slot.bin"), items_file = read("items.bin");
+  ASSERT_EQ(slot_file.size(), save->bytes);
+  ASSERT_EQ(items_file.size(), direct->file_size);
+  // The same bytes; the slot's file only adds zeros up to a whole page.
+  EXPECT_TRUE(std::equal(items_file.begin(), items_file.end(), slot_file.begin()));
+  EXPECT_TRUE(std::all_of(slot_file.begin() + items_file.size(), slot_file.end(),
+                          [](char c) { return c == 0; }));
+  fs::remove_all(dir);
+}
+
+TEST_F(StagingPoolTest, CopyItemsRejectsBadSourcesAndCopiesNothing) {
+  auto pool = OpenPool(0, 1);
+  std::vector<uint64_t> lengths = {100, 100};
+  auto save = pool->BeginSave(0, lengths);
+  ASSERT_TRUE(save.ok());
+  std::memset(save->data, 0, save->capacity);
+  std::vector<char> src(100, 'x');
+  std::vector<StageSource> bad = {{0, src.data()}, {2, src.data()}};
+  EXPECT_EQ(pool->CopyItems(*save, bad, nullptr).code(), StatusCode::kInvalidArgument);
+  bad = {{0, src.data()}, {1, nullptr}};
+  EXPECT_EQ(pool->CopyItems(*save, bad, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(save->data[0], 0);
+  ASSERT_TRUE(pool->Release(0).ok());
+  std::vector<StageSource> good = {{0, src.data()}};
+  EXPECT_EQ(pool->CopyItems(*save, good, nullptr).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool->ZeroPadding(*save, nullptr).code(), StatusCode::kFailedPrecondition);
+}
+
+TEST_F(StagingPoolTest, AnEmptySaveStillUsesOnePage) {
+  auto pool = OpenPool(0, 1);
+  auto save = pool->BeginSave(0, std::vector<uint64_t>{0, 0});
+  ASSERT_TRUE(save.ok());
+  EXPECT_EQ(save->end, 0u);
+  EXPECT_EQ(save->bytes, format::kItemAlignment);
+  EXPECT_TRUE(pool->ZeroPadding(*save, nullptr).ok());
+}
+
+TEST(ThreadPoolSizingTest, IoPoolsAreWiderThanCopyPools) {
+  size_t io = DefaultThreadCount(PoolKind::kIo), copy = DefaultThreadCount(PoolKind::kCopy);
+  EXPECT_GE(io, 16u);
+  EXPECT_LE(io, 32u);
+  EXPECT_GE(copy, 2u);
+  EXPECT_LE(copy, 8u);
 }
 
 }  // namespace

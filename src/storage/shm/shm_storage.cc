@@ -5,7 +5,7 @@
 // Sync/SyncDir are nearly free. What differs is set here: no O_DIRECT (tmpfs
 // rejects it; asking would only cost an extra open per file) and names are
 // confined to one directory per NAME. Memory mapping of staging buffers is in
-// mapped_file.cc (used by the StagingPool).
+// src/staging/mapped_file.cc (used by the StagingPool).
 #include <string>
 
 #include "cairn/storage.h"

@@ -1,4 +1,4 @@
-#include "storage/shm/mapped_file.h"
+#include "staging/mapped_file.h"
 
 #include <fcntl.h>
 #include <sys/file.h>
