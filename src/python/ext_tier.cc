@@ -9,7 +9,7 @@
 
 #include "cairn/memory_tier.h"
 #include "common.h"
-#include "storage/shm/mapped_file.h"
+#include "staging/mapped_file.h"
 
 namespace nb = nanobind;
 
