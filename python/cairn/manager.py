@@ -181,6 +181,7 @@ class _Save:
     persist_s: float = 0.0
     everyone: list[dict] | None = None  # per-rank checksums and sizes, once gathered
     tiers_done: list[str] = dataclasses.field(default_factory=list)
+    on_durable: Any = None  # save()'s callback, for a save that goes durable
 
 
 class CheckpointManager:
@@ -192,8 +193,10 @@ class CheckpointManager:
             and restore from there first.
         local: an optional fast local directory (NVMe) tier.
         keep: committed checkpoints kept in the durable tier (>= 1). The newest valid
-            one is never deleted.
-        keep_local: checkpoints kept in the local tier (default: ``keep``).
+            one is never deleted. ``None``: the manager deletes no committed durable
+            checkpoint, because another owner applies retention there (Ray Train's
+            ``num_to_keep``, see ``cairn.ray``); partial leftovers are still removed.
+        keep_local: checkpoints kept in the local tier (default: ``keep``, or 3).
         memory_slots: checkpoints held in shared memory (>= 1, default 1). The
             footprint is ``memory_slots`` × the state size, flat across saves; with
             one slot, a save overwrites the previous memory-tier checkpoint (the
@@ -230,7 +233,7 @@ class CheckpointManager:
                  thread_count: int | None = None, direct_io: bool = True,
                  memory_limit: int | float | None = None,
                  orphan_grace: float = float(_ext.DEFAULT_ORPHAN_GRACE_S)):
-        for name, v in (("keep", keep), ("memory_slots", memory_slots),
+        for name, v in (("keep", 1 if keep is None else keep), ("memory_slots", memory_slots),
                         ("durable_every", durable_every)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
@@ -244,7 +247,7 @@ class CheckpointManager:
         self.memory = bool(memory)
         self._check_tiers_apart()
         self.keep = keep
-        self.keep_local = keep_local or keep
+        self.keep_local = keep_local or keep or 3
         self.durable_every = durable_every
         self.timeout = float(timeout)
         self.direct_io = direct_io
@@ -411,13 +414,23 @@ class CheckpointManager:
 
     # ---- save ----------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any], *, durable: bool | None = None) -> None:
+    def save(self, step: int, state: dict[str, Any], *, durable: bool | None = None,
+             on_durable: Any = None) -> bool:
         """Checkpoints `state` (a dict of tensors and DCP Statefuls) as `step`.
 
         Blocks only while the state is copied into shared memory; persistence runs in
         the background. Waits for the previous save first and raises its error, if any.
         `durable` forces (True) or skips (False) the slower tiers for this save;
-        by default every `durable_every`-th save goes there.
+        by default every `durable_every`-th save goes there. Returns whether this save
+        goes to the durable tier.
+
+        `on_durable(error)`, for a save that goes to the durable tier, is called once
+        from the background thread: with None once the save is in the durable tier
+        (on rank 0, the coordinator, right after its manifest is committed; on the
+        other ranks once every rank's data file is durable, which may be just before
+        that commit), or with the exception that stopped persistence (which
+        ``wait()`` raises too). It must not call into the manager; an exception it
+        raises is logged.
         """
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -442,11 +455,12 @@ class CheckpointManager:
             raise
         stall = time.perf_counter() - t0
         rec = _Save(step=step, slot=slot, durable=goes_durable, writer=writer, stall_s=stall,
-                    started=time.perf_counter())
+                    started=time.perf_counter(), on_durable=on_durable if goes_durable else None)
         rec.thread = threading.Thread(target=self._persist, args=(rec,),
                                       name=f"cairn-persist-{step}", daemon=True)
         self._inflight = rec
         rec.thread.start()
+        return goes_durable
 
     def _release_slot(self) -> None:
         if self._slot_held is not None:
@@ -464,6 +478,11 @@ class CheckpointManager:
         finally:
             self._release_slot()
             rec.persist_s = time.perf_counter() - rec.started
+            if rec.on_durable is not None:
+                try:
+                    rec.on_durable(rec.error)
+                except Exception:  # noqa: BLE001 - the save's outcome stands
+                    log.exception("cairn: on_durable callback of step %d failed", rec.step)
 
     def _persist_inner(self, rec: _Save) -> None:
         w = rec.writer
@@ -502,7 +521,8 @@ class CheckpointManager:
             self._persist_to(rec, tier, keep, rec.everyone)
             rec.tiers_done.append("local" if tier == self.local else "durable")
 
-    def _persist_to(self, rec: _Save, tier: str, keep: int, everyone: list[dict]) -> None:
+    def _persist_to(self, rec: _Save, tier: str, keep: int | None,
+                    everyone: list[dict]) -> None:
         uri = _join(tier, _step_dir(rec.step))
         err, size = None, 0
         try:
@@ -545,13 +565,15 @@ class CheckpointManager:
         body["extra"]["manager"] = {"step": rec.step, "run_id": self.run_id}
         return json.dumps(body, separators=(",", ":"))
 
-    def _prune(self, tier: str, keep: int) -> None:
-        """Keeps the newest `keep` committed checkpoints of `tier`; removes older ones
-        (manifest first, so a crash mid-delete leaves a partial, never a broken valid
-        one) and every partial leftover of a crashed save (the only save in flight is
-        the one just committed). A failure here loses nothing: it is logged."""
+    def _prune(self, tier: str, keep: int | None) -> None:
+        """Keeps the newest `keep` committed checkpoints of `tier` (all with None);
+        removes older ones (manifest first, so a crash mid-delete leaves a partial,
+        never a broken valid one) and every partial leftover of a crashed save (the
+        only save in flight is the one just committed). A failure here loses nothing:
+        it is logged."""
         try:
-            _ext.prune_checkpoints(tier, keep, remove_newer_partials=True,
+            _ext.prune_checkpoints(tier, 2**63 if keep is None else keep,
+                                   remove_newer_partials=True,
                                    after_uncommit=lambda name: _chaos.point("prune"))
         except Error as e:
             log.warning("cairn: pruning %s: %s", tier, e)
@@ -592,15 +614,22 @@ class CheckpointManager:
         return {"saves": len(h), "median_stall_s": round(med("stall_s"), 4),
                 "median_persist_s": round(med("persist_s"), 4), "last": h[-1]}
 
+    # close() writes the newest save to the durable tier if it was not there yet.
+    # A subclass whose durable tier is owned by someone else (cairn.ray: Ray Train
+    # tracks every durable checkpoint) turns that off.
+    flush_on_close = True
+
     def close(self) -> None:
         """Waits for the save in flight, makes sure the newest save reached the durable
-        tier, and frees the shared memory (the memory tier ends with the manager)."""
+        tier (unless ``flush_on_close`` is False), and frees the shared memory (the
+        memory tier ends with the manager)."""
         if self._closed:
             return
         try:
             self.wait()
             last = self._last
-            if last is not None and last.error is None and not last.durable:
+            if (self.flush_on_close and last is not None and last.error is None
+                    and not last.durable):
                 last.durable = True
                 last.started = time.perf_counter()
                 self._inflight = last
