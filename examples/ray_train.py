@@ -114,17 +114,19 @@ def train_func(config: dict) -> None:
             sample_log.write(f"{rank} {step} {' '.join(map(str, ids.tolist()))}\n")
             sample_log.flush()
         if step % every == 0 or step == steps:
-            metrics = {"loss": float(loss.item()), "step": step, "restored": restored}
+            metrics = {"loss": float(loss.item()), "step": step, "restored": restored,
+                       "adopted": mgr.adopted or "", "removed": len(mgr.removed_orphans)}
             # The last step goes durable whatever durable_every says, so Ray's
             # Result.checkpoint is the final state.
             cairn.ray.report(mgr, step, state, metrics, durable=True if step == steps else None)
-        if (crash_at is not None and step == crash_at and rank == crash_rank
-                and marker and not os.path.exists(marker)):
+        if crash_at is not None and step == crash_at and marker and not os.path.exists(marker):
             if config.get("orphan_at_crash"):
-                # A durable commit that Ray never hears of (as when a worker dies
-                # between the commit and the controller's registration).
+                # Every rank: a durable commit that Ray never hears of (as when a
+                # worker dies between the commit and the controller's registration).
                 mgr.save(step, state, durable=True)
                 mgr.wait()
+            if rank != crash_rank:
+                continue  # the next collective fails when the crash rank dies
             open(marker, "w").close()
             print(f"[ray_train] rank {rank}: simulated crash (SIGKILL) at step {step}",
                   flush=True)
@@ -139,15 +141,17 @@ def train_func(config: dict) -> None:
 
 
 def make_trainer(config: dict, storage_path: str, name: str, num_to_keep: int | None = 2,
-                 max_failures: int = 1, workers: int = 2, cpus_per_worker: float = 0.5):
-    """The TorchTrainer of this example (CPU workers, gloo)."""
+                 max_failures: int = 1, workers: int = 2, cpus_per_worker: float = 0.5,
+                 timeout_s: int = 300):
+    """The TorchTrainer of this example (CPU workers, gloo; `timeout_s` bounds
+    torch.distributed's collectives)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     return TorchTrainer(
         train_func,
         train_loop_config=config,
-        torch_config=TorchConfig(backend="gloo"),
+        torch_config=TorchConfig(backend="gloo", timeout_s=timeout_s),
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False,
                                      resources_per_worker={"CPU": cpus_per_worker}),
         run_config=RunConfig(

@@ -36,20 +36,27 @@ SLOW = os.environ.get("CAIRN_SLOW") == "1"
 MARK = "CAIRN_RAY_TEST_CLUSTER"
 
 
-def _marked_pids(tag: str) -> list[int]:
-    """Processes whose environment carries this cluster's tag (every Ray process
-    inherits it from the driver)."""
+def _marked_pids(work: str) -> list[int]:
+    """This cluster's live processes: those whose environment carries its tag
+    (workers inherit it from the driver) or whose command line names its temp
+    dir (gcs_server, raylet, agents)."""
     out = []
-    needle = f"{MARK}={tag}".encode()
+    needle = f"{MARK}={os.path.basename(work)}".encode()
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == os.getpid():
             continue
         try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue  # exited, not yet reaped
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmdline = f.read()
             with open(f"/proc/{d}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    out.append(int(d))
+                environ = f.read().split(b"\0")
         except OSError:
             continue
+        if needle in environ or work.encode() in cmdline:
+            out.append(int(d))
     return out
 
 
@@ -75,10 +82,10 @@ def cluster():
             else:
                 os.environ[k] = v
         deadline = time.monotonic() + 60
-        left = _marked_pids(tag)
+        left = _marked_pids(work)
         while left and time.monotonic() < deadline:
             time.sleep(0.5)
-            left = _marked_pids(tag)
+            left = _marked_pids(work)
         for pid in left:  # ours (tagged at our ray.init): stop them, then fail below
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -96,10 +103,12 @@ def _run(cluster: str, name: str, *, steps: int, every: int, num_to_keep: int | 
     config = {"seed": 0, "steps": steps, "ckpt_every": every, "crash_at_step": crash_at,
               "crash_rank": 1, "crash_marker": os.path.join(run_dir, "crashed"),
               "orphan_at_crash": orphan_at_crash, "out": os.path.join(run_dir, "final.pt"),
-              "sample_log": os.path.join(run_dir, "samples"), "cairn": cairn_kwargs or {}}
+              "sample_log": os.path.join(run_dir, "samples"),
+              "cairn": {"timeout": 120, **(cairn_kwargs or {})}}
     trainer = ray_train.make_trainer(config, os.path.join(run_dir, "results"), name,
                                      num_to_keep=num_to_keep,
-                                     max_failures=1 if crash_at is not None else 0)
+                                     max_failures=1 if crash_at is not None else 0,
+                                     timeout_s=120)
     result = trainer.fit()
     assert result.error is None, result.error
     if crash_at is not None:
@@ -167,6 +176,7 @@ def test_sigkilled_worker_resumes_bit_identical_with_num_to_keep(cluster):
     run, run_dir, exp = _run(cluster, "crash", steps=steps, every=every, num_to_keep=keep,
                              crash_at=7, orphan_at_crash=True)
     assert run.metrics["restored"] == "7/memory"
+    assert run.metrics["adopted"] == "step_0000000007"  # then dropped by Ray's num_to_keep
     assert ref.metrics["restored"] == "none"
     _assert_same_final(ref_dir, run_dir)
     assert _samples(ref_dir) == _samples(run_dir)
