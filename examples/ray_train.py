@@ -179,6 +179,7 @@ def main() -> int:
                    help="memory-tier replicas on peer nodes (needs a manager with replicas)")
     a = p.parse_args()
 
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")  # the default since Ray 2.5x
     import ray
 
     import cairn
