@@ -165,3 +165,57 @@ def test_untracked_checkpoints_are_removed_except_the_restored_one(tmp_path):
         os.listdir(root))
     assert mgr.keep is None
     assert mgr.checkpoint_path("step_0000000007") == root + "/step_0000000007"
+
+
+class _FakeTrain:
+    """The parts of ray.train that cairn.ray.report calls, recording each report."""
+
+    class Checkpoint:
+        def __init__(self, path, filesystem=None):
+            self.path, self.filesystem = path, filesystem
+
+    class CheckpointUploadMode:
+        ASYNC, NO_UPLOAD = "ASYNC", "NO_UPLOAD"
+
+    def __init__(self):
+        self.reports = []
+
+    def report(self, metrics, checkpoint=None, **kwargs):
+        self.reports.append((metrics, checkpoint, kwargs))
+
+
+def test_report_uploads_asynchronously_and_the_upload_waits_for_the_commit(tmp_path,
+                                                                          monkeypatch):
+    fake = _FakeTrain()
+    monkeypatch.setattr(cairn.ray, "_ray_train", lambda: fake)
+    inj = _ext.FaultInjector("rayreport", str(tmp_path))
+    root = str(tmp_path)
+    _, state = _state()
+    mgr = cairn.ray.RayCheckpointManager(inj.uri, _Storage(pafs.LocalFileSystem(), root),
+                                         memory=True, durable_every=2)
+    try:
+        cairn.ray.report(mgr, 1, state, {"loss": 1.0})  # 1st of every 2nd: memory only
+        assert fake.reports[-1] == ({"loss": 1.0}, None, {})
+        cairn.ray.report(mgr, 2, state, {"loss": 0.5})
+        metrics, ckpt, kw = fake.reports[-1]
+        assert ckpt.path == root + "/step_0000000002"
+        assert kw["checkpoint_dir_name"] == "step_0000000002"
+        assert kw["checkpoint_upload_mode"] == "ASYNC"
+        assert kw["delete_local_checkpoint_after_upload"] is False
+        # Ray's upload thread: returns the checkpoint once it is committed.
+        assert kw["checkpoint_upload_fn"](ckpt, "step_0000000002") is ckpt
+        assert os.path.exists(os.path.join(root, "step_0000000002", "cairn.manifest"))
+        mgr.wait()
+
+        inj.add_rule("write", errno=errno.ENOSPC, count=0)
+        cairn.ray.report(mgr, 3, state, {}, durable=True)
+        upload = fake.reports[-1][2]["checkpoint_upload_fn"]
+        with pytest.raises(cairn.Error, match="step 3"):
+            upload(fake.reports[-1][1], "step_0000000003")  # Ray fails the worker group
+        with pytest.raises(cairn.Error, match="step 3"):
+            cairn.ray.report(mgr, 4, state, {})  # and the next report raises it too
+        inj.clear()
+    finally:
+        mgr.close()
+        inj.close()
+    assert _committed(root) == ["step_0000000002"]
