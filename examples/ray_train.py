@@ -75,8 +75,7 @@ def train_func(config: dict) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
 
-    cairn_kwargs = dict(config.get("cairn", {}))
-    mgr = cairn.ray.checkpoint_manager(memory=True, **cairn_kwargs)
+    mgr = cairn.ray.checkpoint_manager(**{"memory": True, **config.get("cairn", {})})
     state = {"train": cairn.TrainState(model, opt, sched, data=loader), "rng": cairn.RNGState()}
     start = mgr.restore(state)
     step = start or 0
