@@ -289,6 +289,28 @@ Status CopyCheckpoint(Storage* src, std::string_view src_dir, Storage* dst,
 Status CopyCheckpointUri(std::string_view src_uri, std::string_view dst_uri, ThreadPool* pool,
                          const ProgressFn& progress = {}, const CopyOptions& opts = {});
 
+struct CopyFileOptions {
+  bool direct_io = false;  // on the destination, where possible
+  bool sync = true;        // fsync the destination file
+  // Bytes per task: the file is split into ranges of this size, copied in
+  // parallel (each in pieces through the thread's I/O buffer).
+  uint64_t chunk_bytes = uint64_t{16} << 20;
+};
+
+// Copies the whole file `src_key` of `src` to `dst_key` of `dst` (replacing
+// it): ranges of opts.chunk_bytes are read and written in parallel on
+// `pool`, every byte written once (an S3 destination uploads each part as
+// soon as it is complete), then the file is synced (opts.sync) and closed.
+// On failure the destination file is aborted (an S3 upload is discarded,
+// a posix file is left partial: callers never commit it). The bytes are
+// copied as they are: the checkpoint's checksums are verified on load.
+// Staged writes (cairn.Writer(path, staging_dir=...)) use it to move a data
+// file from the local staging directory to the slow target. Returns the
+// number of bytes copied.
+Result<uint64_t> CopyFile(Storage* src, std::string_view src_key, Storage* dst,
+                          std::string_view dst_key, ThreadPool* pool,
+                          const CopyFileOptions& opts = {}, const ProgressFn& progress = {});
+
 // ---- Convenience: named buffers -------------------------------------------
 
 // A dense, row-major tensor in caller memory.

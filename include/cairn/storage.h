@@ -76,6 +76,33 @@ class ReadableFile {
 
   // The file's size in bytes at open time.
   virtual uint64_t Size() const = 0;
+
+  // One piece of a vectored read: `n` bytes into `buf`, or `n` bytes
+  // skipped when `buf` is null.
+  struct Segment {
+    char* buf = nullptr;
+    size_t n = 0;
+  };
+
+  // Reads the consecutive bytes starting at `offset` into `segs` in order
+  // (null segments skip their bytes), with the errors of ReadAt. A backend
+  // with a cost per request (s3) serves it with one request; the default
+  // is one ReadAt per non-null segment. May be called concurrently.
+  virtual Status ReadV(uint64_t offset, const std::vector<Segment>& segs) const {
+    for (const Segment& s : segs) {
+      if (s.buf != nullptr && s.n > 0) {
+        Status st = ReadAt(offset, s.buf, s.n);
+        if (!st.ok()) return st;
+      }
+      offset += s.n;
+    }
+    return Status::OK();
+  }
+
+  // Reads smaller than this are worth coalescing with their neighbours into
+  // one ReadV (0 = no preference: each read may be issued on its own, as on
+  // local disks). s3: its part size, the size of one ranged GET.
+  virtual uint64_t PreferredReadSize() const { return 0; }
 };
 
 struct WriteOptions {

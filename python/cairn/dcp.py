@@ -35,6 +35,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import time
 import uuid
 from typing import Any, NamedTuple, Sequence
@@ -116,6 +117,20 @@ def _uri(path: str | os.PathLike | None) -> str:
     if "://" in s and not s.startswith(("file://", "shm://", "fault://", "s3://")):
         raise InvalidArgumentError(f"unsupported checkpoint URI scheme: {s}")
     return s
+
+
+def _staging_dir(path: str | os.PathLike) -> str:
+    """A local staging directory: a plain path or file://PATH, made absolute."""
+    s = os.fspath(path)
+    if not isinstance(s, str) or not s:
+        raise InvalidArgumentError(f"invalid staging_dir {path!r}")
+    if s.startswith("file://"):
+        s = s[len("file://") :]
+    elif "://" in s:
+        raise InvalidArgumentError(
+            f"staging_dir must be a local directory (a fast local disk), got {s}"
+        )
+    return os.path.abspath(s)
 
 
 def _local_path(uri: str) -> str | None:
@@ -275,6 +290,14 @@ class Writer(StorageWriter):
         block_size: checksum block size in bytes.
         user_metadata: a JSON-serializable dict stored in the manifest
             (``extra.user``); read it back with ``Reader.user_metadata``.
+        staging_dir: a fast local directory (NVMe) for targets that are slow
+            (a FUSE/NFS mount, ``s3://``). Each rank writes its data file
+            there first, then uploads it to ``path`` in parallel ranges and
+            removes the staged copy; the manifest is committed only after
+            every rank's upload is complete (and synced) at the target.
+            Under ``dcp.async_save`` the upload is part of the background
+            work. Loads are unaffected (they read the target with large
+            parallel reads).
 
     Raises :class:`cairn.InvalidArgumentError` (a ``ValueError``) for a value
     cairn cannot honour, never ignoring it.
@@ -296,9 +319,11 @@ class Writer(StorageWriter):
         direct_io: bool = True,
         block_size: int = _ext.DEFAULT_BLOCK_SIZE,
         user_metadata: dict | None = None,
+        staging_dir: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
         self.path = None if path is None else _uri(path)
+        self.staging_dir = None if staging_dir is None else _staging_dir(staging_dir)
         self.user_metadata = dict(user_metadata or {})
         json.dumps(self.user_metadata)  # fail early if it cannot be stored
         if thread_count is not None and (type(thread_count) is not int or thread_count < 1):
@@ -414,15 +439,18 @@ class Writer(StorageWriter):
                 t = t.contiguous()
                 keep_alive.append(t)
                 buffers.append((t.data_ptr(), t.numel() * t.element_size()))
-        file_size, locations = _ext.write_data_file(
-            _uri(self.path),
-            key,
-            buffers,
-            self._thread_pool(),
-            direct_io=self.direct_io,
-            sync=self.sync,
-            block_size=self.block_size,
-        )
+        if self.staging_dir is None:
+            file_size, locations = _ext.write_data_file(
+                _uri(self.path),
+                key,
+                buffers,
+                self._thread_pool(),
+                direct_io=self.direct_io,
+                sync=self.sync,
+                block_size=self.block_size,
+            )
+        else:
+            file_size, locations = self._write_staged(key, buffers)
         del keep_alive
         results = [
             WriteResult(
@@ -434,6 +462,22 @@ class Writer(StorageWriter):
         ]
         fut.set_result(results)
         return fut
+
+    def _write_staged(self, key: str, buffers: list[tuple[int, int]]):
+        """Writes the rank's data file into the staging directory (page cache, no
+        fsync: it is a transient copy), uploads it to the target (synced there
+        when ``sync_files``), and removes the staged copy whatever happened."""
+        local = os.path.join(self.staging_dir, f"cairn-{self.save_id}-r{self.rank}")
+        try:
+            file_size, locations = _ext.write_data_file(
+                local, key, buffers, self._thread_pool(), direct_io=False, sync=False,
+                block_size=self.block_size,
+            )
+            _ext.copy_file(local, key, _uri(self.path), key, self._thread_pool(),
+                           direct_io=self.direct_io, sync=self.sync)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        return file_size, locations
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         body = _manifest_body(metadata, results, self.block_size, self.path, self.save_id)

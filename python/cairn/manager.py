@@ -6,7 +6,9 @@ Tiers, fastest first:
            there once its manifest is written, and it survives a crash of the
            training process (not of the node).
   local    an optional fast local directory (NVMe), ``<local>/step_<N>/``.
-  durable  ``<root>/step_<N>/`` (a directory; S3 later).
+  durable  ``<root>/step_<N>/``: a directory or ``s3://BUCKET/PREFIX`` (every access
+           goes through the engine's storage, so a URI root works as a directory
+           does; the commit is one conditional PUT on S3).
 
 Protocol of one save (every rank; the coordinator is rank 0 of the checkpoint group):
   1. Wait for the previous save; if it failed, raise its error now (training may go on).
@@ -87,9 +89,13 @@ def _join(uri: str, name: str) -> str:
 
 def memory_tier_name(root: str) -> str:
     """The shm:// name of the memory tier of the run checkpointing to `root` on this
-    node: derived from the root's real path, so a restarted process finds it."""
-    path = root[len("file://"):] if root.startswith("file://") else root
-    tag = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:16]
+    node: derived from the root's real path (a URI root such as s3://: from the URI),
+    so a restarted process finds it."""
+    if "://" in root and not root.startswith("file://"):
+        key = root.rstrip("/")
+    else:
+        key = os.path.realpath(root[len("file://"):] if root.startswith("file://") else root)
+    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
     return f"cairn-{tag}"
 
 
@@ -188,7 +194,8 @@ class CheckpointManager:
     """Owns checkpointing and recovery of a training run.
 
     Args:
-        root: the durable tier: a directory (or ``file://DIR``), created if missing.
+        root: the durable tier: a directory (or ``file://DIR``), created if missing, or
+            ``s3://BUCKET/PREFIX`` (configured as the AWS tools are, see cairn.Writer).
         memory: keep checkpoints in this node's shared memory (the staging buffers)
             and restore from there first.
         local: an optional fast local directory (NVMe) tier.
@@ -207,7 +214,8 @@ class CheckpointManager:
             The manager creates its own gloo group over those ranks.
         timeout: seconds for every collective and wait (default 600).
         thread_count: I/O threads of this manager's own pool (default: the process-wide
-            pool, cairn._pools.io_pool()).
+            pool, cairn._pools.io_pool(), 16 to 32 threads: enough for an s3:// root, where
+            each thread keeps one part upload in flight).
         direct_io: O_DIRECT writes to the local and durable tiers where possible.
         memory_limit: the most node shared memory this run's memory tier may hold on
             each node (every local rank's slots together): bytes (int), or a fraction
@@ -330,8 +338,11 @@ class CheckpointManager:
         s = os.fspath(path)
         if not isinstance(s, str) or not s:
             raise InvalidArgumentError(f"invalid {what} directory {path!r}")
-        if "://" in s and not s.startswith(("file://", "fault://")):
+        schemes = ("file://", "fault://", "s3://") if what == "root" else ("file://", "fault://")
+        if "://" in s and not s.startswith(schemes):
             raise InvalidArgumentError(f"unsupported {what} URI: {s}")
+        if s.startswith("s3://"):
+            return s.rstrip("/")
         return s if "://" in s else os.path.abspath(s)
 
     def _check_tiers_apart(self) -> None:
@@ -339,7 +350,7 @@ class CheckpointManager:
         (through a symlink, say) or lies inside it would have its checkpoints
         rewritten or pruned by the other's saves. Same check as cairn.copy_checkpoint."""
         dirs = [(n, self._local_path(u)) for n, u in (("durable", self.root), ("local", self.local))
-                if u is not None and not u.startswith("fault://")]
+                if u is not None and not u.startswith(("fault://", "s3://"))]
         if self.memory:
             dirs.append(("memory", _ext.shm_directory(memory_tier_name(self.root))))
         for i, (na, a) in enumerate(dirs):

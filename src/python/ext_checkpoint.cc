@@ -140,6 +140,33 @@ void RegisterCheckpoint(nb::module_& m) {
       "Returns (file_size, [(offset, length, [block checksums])...]).");
 
   m.def(
+      "copy_file",
+      [](const std::string& src_uri, const std::string& src_key, const std::string& dst_uri,
+         const std::string& dst_key, ThreadPool& pool, bool direct_io, bool sync) {
+        Result<uint64_t> r = InternalError("unset");
+        {
+          nb::gil_scoped_release release;
+          auto src = OpenStorage(src_uri, /*create=*/false);
+          auto dst = OpenStorage(dst_uri, /*create=*/true);
+          if (!src.ok()) {
+            r = src.status();
+          } else if (!dst.ok()) {
+            r = dst.status();
+          } else {
+            CopyFileOptions opts;
+            opts.direct_io = direct_io;
+            opts.sync = sync;
+            r = CopyFile(src->get(), src_key, dst->get(), dst_key, &pool, opts);
+          }
+        }
+        return ValueOrThrow(std::move(r));
+      },
+      nb::arg("src_uri"), nb::arg("src_key"), nb::arg("dst_uri"), nb::arg("dst_key"),
+      nb::arg("pool"), nb::arg("direct_io") = false, nb::arg("sync") = true,
+      "Copies file `src_key` of the storage at `src_uri` to `dst_key` at `dst_uri` in\n"
+      "parallel ranges (synced unless sync=False). Returns the bytes copied.");
+
+  m.def(
       "commit_manifest",
       [](const std::string& uri, const std::string& body_json) {
         Status s;

@@ -94,3 +94,37 @@ def test_resume_demo_is_bit_exact(tmp_path):
     assert "bitwise equal to the uninterrupted run: True" in r.stdout
     assert "same sample sequence as the uninterrupted run: True" in r.stdout
     assert "demo: OK" in r.stdout
+
+
+def test_s3_benchmark_runs_and_writes_json(tmp_path):
+    out = tmp_path / "s3.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "s3.py"),
+            "--size-gb", "0.01",
+            "--reps", "1",
+            "--staged-mb", "4",
+            "--throttle-mbps", "50",
+            "--dir", str(tmp_path),
+            "--json", str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    assert set(result["peers"]) == {"boto3 (floor)", "cairn", "dcp+fsspec", "s3torchconnector"}
+    for name, peer in result["peers"].items():
+        assert peer["checked"] is True, name  # the first load equals the state
+        for op in ("save", "load"):
+            assert peer[op]["median_s"] > 0 and math.isfinite(peer[op]["MBps"]), (name, op)
+    staged = result["staged"]
+    assert 0 < staged["staged_async_stall_s"]["median_s"] <= staged["staged_async_published_s"][
+        "median_s"]
+    for name in ("cairn_save_throughput / boto3_floor", "cairn_load_time / fsspec_dcp_load_time",
+                 "staged_async_published / bandwidth_bound"):
+        assert math.isfinite(result["ratios"][name]["value"]), name
+    assert [p.name for p in tmp_path.iterdir()] == ["s3.json"]  # scratch removed

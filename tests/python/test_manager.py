@@ -221,7 +221,7 @@ def test_bad_arguments_raise_value_error(tmp_path):
     with pytest.raises(ValueError):
         cairn.CheckpointManager(str(tmp_path), keep=0)
     with pytest.raises(ValueError):
-        cairn.CheckpointManager("s3://bucket/x")
+        cairn.CheckpointManager("gs://bucket/x")  # s3:// is a durable root, gs:// is not
     with cairn.CheckpointManager(str(tmp_path)) as mgr:
         with pytest.raises(ValueError):
             mgr.save(-1, {})

@@ -8,6 +8,8 @@ every request's SigV4 signature (auth is switched on through moto's
 ``/moto-api/reset-auth``, the runtime form of INITIAL_NO_AUTH_ACTION_COUNT,
 after the user, its policy and the bucket were created unauthenticated).
 ``srv.env()`` is the environment a cairn process needs (AWS_* variables).
+``ranged_gets=True`` runs moto through moto_ranged.py (ranged GETs read only
+the range; bench/s3.py uses it).
 
 As a script: ``moto_server.py [--auth] -- CMD ARGS...`` runs CMD with that
 environment plus CAIRN_TEST_S3_URI=s3://BUCKET and returns its exit status
@@ -33,8 +35,11 @@ def free_port():
 
 
 class MotoServer:
-    def __init__(self, auth=False, bucket=BUCKET):
+    def __init__(self, auth=False, bucket=BUCKET, ranged_gets=False):
         self.auth = auth
+        # Serve ranged GETs by reading only the range (moto_ranged.py), as
+        # real S3 servers do; stock moto reads the whole object every time.
+        self.ranged_gets = ranged_gets
         self.bucket = bucket
         self.proc = None
         self.port = None
@@ -49,8 +54,11 @@ class MotoServer:
         self.port = free_port()
         env = dict(os.environ)
         env.pop("INITIAL_NO_AUTH_ACTION_COUNT", None)
+        server = ([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                "moto_ranged.py")]
+                  if self.ranged_gets else [sys.executable, "-m", "moto.server"])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            server + ["-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
             start_new_session=True)
         deadline = time.monotonic() + timeout

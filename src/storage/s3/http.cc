@@ -20,7 +20,29 @@ struct Transfer {
   CURL* curl;
   const HttpRequest* req;
   HttpResponse* resp;
+  size_t piece = 0;     // scatter: the piece being filled
+  size_t piece_at = 0;  // and the bytes of it already filled
 };
+
+// Places a body chunk into req.scatter (see HttpRequest); false on overflow.
+bool Scatter(Transfer* t, const char* data, size_t len) {
+  const auto& pieces = *t->req->scatter;
+  while (len > 0) {
+    if (t->piece >= pieces.size()) return false;
+    const auto& [buf, n] = pieces[t->piece];
+    size_t k = std::min(len, n - t->piece_at);
+    if (buf) std::memcpy(buf + t->piece_at, data, k);
+    t->piece_at += k;
+    t->resp->dest_written += k;
+    data += k;
+    len -= k;
+    if (t->piece_at == n) {
+      ++t->piece;
+      t->piece_at = 0;
+    }
+  }
+  return true;
+}
 
 size_t OnHeader(char* data, size_t size, size_t n, void* user) {
   auto* t = static_cast<Transfer*>(user);
@@ -48,6 +70,13 @@ size_t OnBody(char* data, size_t size, size_t n, void* user) {
   size_t len = size * n;
   long code = 0;
   curl_easy_getinfo(t->curl, CURLINFO_RESPONSE_CODE, &code);
+  if (t->req->scatter && code >= 200 && code < 300) {
+    if (!Scatter(t, data, len)) {
+      t->resp->dest_overflow = true;
+      return 0;  // aborts the transfer (CURLE_WRITE_ERROR)
+    }
+    return len;
+  }
   if (t->req->dest && code >= 200 && code < 300) {
     HttpResponse* r = t->resp;
     if (r->dest_written + len > t->req->dest_len) {

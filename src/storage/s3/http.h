@@ -29,6 +29,10 @@ struct HttpRequest {
   // more is an error) instead of into HttpResponse::body.
   char* dest = nullptr;
   size_t dest_len = 0;
+  // Instead of dest: a 2xx body is scattered over these (address, length)
+  // pieces in order, a null address skipping its bytes; more bytes than
+  // they hold is an error. dest_written counts every byte placed or skipped.
+  const std::vector<std::pair<char*, size_t>>* scatter = nullptr;
   // Limits of this attempt, in milliseconds (0 = none).
   long connect_timeout_ms = 0;
   long stall_timeout_ms = 0;  // abort when no byte moves for this long

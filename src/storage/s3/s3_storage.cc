@@ -206,6 +206,7 @@ struct Call {
   size_t body_len = 0;
   char* dest = nullptr;
   size_t dest_len = 0;
+  const std::vector<std::pair<char*, size_t>>* scatter = nullptr;
 };
 
 struct Outcome {
@@ -281,6 +282,7 @@ class S3Storage final : public Storage {
       req.body_len = c.body_len;
       req.dest = c.dest;
       req.dest_len = c.dest_len;
+      req.scatter = c.scatter;
       Params hs = c.headers;
       const std::string date = s3::AmzDateNow();
       hs.emplace_back("host", host_);
@@ -636,6 +638,7 @@ class S3WritableFile final : public WritableFile {
       : s_(s), full_(std::move(full)), uri_(std::move(uri)), part_size_(s->options().part_size) {}
   ~S3WritableFile() override {
     if (!finished_) AbortUpload();
+    for (char* b : spare_) std::free(b);
   }
 
   Status WriteAt(uint64_t offset, const void* data, size_t n) override {
@@ -693,6 +696,18 @@ class S3WritableFile final : public WritableFile {
     ~Part() { std::free(buf); }
   };
 
+  // A zero-filled part buffer (needs mu_): a sent part's buffer is reused,
+  // zeroed again, rather than returned to the system, because a fresh 8 MiB
+  // allocation is a new mapping whose page faults and unmapping (with its
+  // TLB shootdowns across the writer threads) cost more than the memset.
+  char* NewBuffer() {
+    if (spare_.empty()) return static_cast<char*>(std::calloc(1, part_size_));
+    char* b = spare_.back();
+    spare_.pop_back();
+    std::memset(b, 0, part_size_);
+    return b;
+  }
+
   Status Fail(Status s) {
     std::lock_guard<std::mutex> l(mu_);
     if (error_.ok()) error_ = s;
@@ -719,7 +734,7 @@ class S3WritableFile final : public WritableFile {
           return FailedPreconditionError(uri_ + ": write into part " + std::to_string(idx + 1) +
                                          ", already uploaded (bytes written twice?)");
         }
-        if (!part->buf) part->buf = static_cast<char*>(std::calloc(1, part_size_));
+        if (!part->buf) part->buf = NewBuffer();
         if (!part->buf) return ResourceExhaustedError(uri_ + ": cannot allocate a part buffer");
         end_ = std::max(end_, offset + len);
       }
@@ -778,7 +793,11 @@ class S3WritableFile final : public WritableFile {
     if (etag.empty()) return UnavailableError("uploading part of " + uri_ + ": no ETag");
     std::lock_guard<std::mutex> l(mu_);
     part->etag = std::move(etag);
-    std::free(part->buf);
+    if (spare_.size() < kSpareBuffers) {
+      spare_.push_back(part->buf);
+    } else {
+      std::free(part->buf);
+    }
     part->buf = nullptr;
     return Status::OK();
   }
@@ -810,7 +829,10 @@ class S3WritableFile final : public WritableFile {
           Part* p = &parts_[i];
           if (p->sent) continue;
           p->sent = true;
-          if (!p->buf) p->buf = static_cast<char*>(std::calloc(1, part_size_));
+          if (!p->buf) {
+            std::lock_guard<std::mutex> l(mu_);
+            p->buf = NewBuffer();
+          }
           if (!p->buf) return ResourceExhaustedError(uri_ + ": cannot allocate a part buffer");
           uint64_t len = std::min(part_size_, total - i * part_size_);
           group.Run([this, i, p, len] { return SendPart(i, p, len); });
@@ -847,6 +869,8 @@ class S3WritableFile final : public WritableFile {
   uint64_t part_size_;
   std::mutex mu_;
   std::map<uint64_t, Part> parts_;  // node-based: Part* stay valid
+  static constexpr size_t kSpareBuffers = 32;
+  std::vector<char*> spare_;  // buffers of sent parts, for reuse (guarded by mu_)
   uint64_t allocated_ = 0, end_ = 0;
   bool closed_ = false, finished_ = false;
   Status error_;
@@ -892,14 +916,40 @@ class S3ReadableFile final : public ReadableFile {
 
   uint64_t Size() const override { return size_; }
 
+  // One ranged GET scattered over the segments (several neighbouring items
+  // of a checkpoint: CheckpointReader coalesces reads below
+  // PreferredReadSize). Ranges within the bytes fetched at open, or larger
+  // than two parts, take the ReadAt path.
+  Status ReadV(uint64_t offset, const std::vector<Segment>& segs) const override {
+    uint64_t n = 0;
+    for (const Segment& s : segs) n += s.n;
+    if (offset > size_ || n > size_ - offset) {
+      return OutOfRangeError(uri_ + ": read of " + std::to_string(n) + " bytes at " +
+                             std::to_string(offset) + " past the end (" + std::to_string(size_) +
+                             " bytes)");
+    }
+    if (n == 0) return Status::OK();
+    if (offset < head_.size() || n > 2 * s_->options().part_size) {
+      return ReadableFile::ReadV(offset, segs);
+    }
+    std::vector<std::pair<char*, size_t>> pieces;
+    pieces.reserve(segs.size());
+    for (const Segment& s : segs) pieces.emplace_back(s.buf, s.n);
+    return Get(offset, nullptr, n, &pieces);
+  }
+
+  uint64_t PreferredReadSize() const override { return s_->options().part_size; }
+
  private:
-  Status Get(uint64_t offset, char* out, uint64_t n) const {
+  Status Get(uint64_t offset, char* out, uint64_t n,
+             const std::vector<std::pair<char*, size_t>>* scatter = nullptr) const {
     Call c("GET", full_);
     c.headers = {
         {"range", "bytes=" + std::to_string(offset) + "-" + std::to_string(offset + n - 1)}};
     if (!etag_.empty()) c.headers.emplace_back("if-match", etag_);
     c.dest = out;
     c.dest_len = n;
+    c.scatter = scatter;
     Outcome o = s_->Execute(c, "reading " + uri_);
     if (o.resp.status == 412) {
       return FailedPreconditionError(uri_ + ": replaced while it was being read");
