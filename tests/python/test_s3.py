@@ -231,12 +231,13 @@ def test_persistent_503_fails_the_save_in_time_and_hides_it(s3, proxy):
     _save(root + "/step_1", _state(1))
     proxy.add("503", method="PUT", path=r"partNumber=", times=-1)
     start = time.monotonic()
-    # dcp.save wraps the rank's cairn.StorageError in a CheckpointException.
+    # dcp.save wraps the rank's cairn.UnavailableError (a TransientError and a
+    # StorageError: retryable) in a CheckpointException.
     with pytest.raises(BaseException) as e:  # CheckpointException is one
         _save(root + "/step_2", _state(2))
     elapsed = time.monotonic() - start
     msg = str(e.value)
-    assert "StorageError" in msg and "503 SlowDown" in msg and "gave up after" in msg, msg
+    assert "UnavailableError" in msg and "503 SlowDown" in msg and "gave up after" in msg, msg
     assert elapsed < 30, elapsed  # 8 s retry deadline per request, never a hang
     proxy.clear()
     assert cairn.latest_valid(root) == root + "/step_1"
