@@ -129,15 +129,6 @@ def manifest_extra(manifest: _ext.Manifest) -> dict[str, Any]:
     return extra if isinstance(extra, dict) else {}
 
 
-def _location(loc: Location, file_index: dict[str, int]) -> _ext.ItemLocation:
-    out = _ext.ItemLocation()
-    out.file = file_index[loc.file]
-    out.offset = loc.offset
-    out.length = loc.length
-    out.checksums = list(loc.checksums)
-    return out
-
-
 def manifest_from_metadata(
     metadata: Metadata,
     results: list[list[WriteResult]],
@@ -163,44 +154,34 @@ def manifest_from_metadata(
         loc = locations.get(index)
         if loc is None:
             raise InvalidArgumentError(f"no data was written for {index.fqn!r} {index.offset}")
-        return _location(loc, file_index)
+        return _ext.ItemLocation(file_index[loc.file], loc.offset, loc.length, list(loc.checksums))
 
     tensors = []
     bytes_items = []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             props = md.properties
-            t = _ext.ManifestTensor()
-            t.fqn = fqn
-            t.dtype = dtype_name(props.dtype)
-            t.shape = list(md.size)
-            t.requires_grad = bool(props.requires_grad)
-            t.layout = str(props.layout).removeprefix("torch.")
-            t.memory_format = str(props.memory_format).removeprefix("torch.")
-            t.pin_memory = bool(props.pin_memory)
-            chunks = []
-            for ch in md.chunks:
-                c = _ext.TensorChunk()
-                c.offsets = list(ch.offsets)
-                c.sizes = list(ch.sizes)
-                c.location = location(MetadataIndex(fqn, ch.offsets))
-                chunks.append(c)
-            t.chunks = chunks
-            tensors.append(t)
+            chunks = [
+                _ext.TensorChunk(
+                    list(ch.offsets), list(ch.sizes), location(MetadataIndex(fqn, ch.offsets))
+                )
+                for ch in md.chunks
+            ]
+            tensors.append(_ext.ManifestTensor(
+                fqn=fqn,
+                dtype=dtype_name(props.dtype),
+                shape=list(md.size),
+                requires_grad=bool(props.requires_grad),
+                layout=str(props.layout).removeprefix("torch."),
+                memory_format=str(props.memory_format).removeprefix("torch."),
+                pin_memory=bool(props.pin_memory),
+                chunks=chunks,
+            ))
         elif isinstance(md, BytesStorageMetadata):
-            b = _ext.ManifestBytes()
-            b.fqn = fqn
-            b.location = location(MetadataIndex(fqn))
-            bytes_items.append(b)
+            bytes_items.append(_ext.ManifestBytes(fqn, location(MetadataIndex(fqn))))
         else:
             raise InvalidArgumentError(f"unsupported DCP storage metadata for {fqn!r}: {md!r}")
 
-    files = []
-    for k in file_keys:
-        f = _ext.ManifestFile()
-        f.key = k
-        f.size = file_sizes[k]
-        files.append(f)
     sm = metadata.storage_meta
     dcp_extra = {
         "version": metadata.version,
@@ -217,7 +198,7 @@ def manifest_from_metadata(
     m.world_size = max(1, len(results))
     m.block_size = block_size
     m.created_unix_ms = int(time.time() * 1000)
-    m.files = files
+    m.files = [_ext.ManifestFile(k, file_sizes[k]) for k in file_keys]
     m.tensors = tensors
     m.bytes = bytes_items
     m.extra = json.dumps({"dcp": dcp_extra, **extra}, separators=(",", ":"))

@@ -20,26 +20,56 @@ namespace nb = nanobind;
 namespace cairn::python {
 
 void RegisterManifest(nb::module_& m) {
+  using U64s = std::vector<uint64_t>;
   nb::class_<ManifestFile>(m, "ManifestFile")
-      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](ManifestFile* self, std::string key, uint64_t size) {
+            new (self) ManifestFile{std::move(key), size};
+          },
+          nb::arg("key") = "", nb::arg("size") = 0)
       .def_rw("key", &ManifestFile::key)
       .def_rw("size", &ManifestFile::size);
 
   nb::class_<ItemLocation>(m, "ItemLocation")
-      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](ItemLocation* self, uint32_t file, uint64_t offset, uint64_t length, U64s checksums) {
+            new (self) ItemLocation{file, offset, length, std::move(checksums)};
+          },
+          nb::arg("file") = 0, nb::arg("offset") = 0, nb::arg("length") = 0,
+          nb::arg("checksums") = U64s{})
       .def_rw("file", &ItemLocation::file)
       .def_rw("offset", &ItemLocation::offset)
       .def_rw("length", &ItemLocation::length)
       .def_rw("checksums", &ItemLocation::checksums);
 
   nb::class_<TensorChunk>(m, "TensorChunk")
-      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](TensorChunk* self, U64s offsets, U64s sizes, ItemLocation location) {
+            new (self) TensorChunk{std::move(offsets), std::move(sizes), std::move(location)};
+          },
+          nb::arg("offsets") = U64s{}, nb::arg("sizes") = U64s{},
+          nb::arg("location") = ItemLocation{})
       .def_rw("offsets", &TensorChunk::offsets)
       .def_rw("sizes", &TensorChunk::sizes)
       .def_rw("location", &TensorChunk::location);
 
   nb::class_<ManifestTensor>(m, "ManifestTensor")
-      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](ManifestTensor* self, std::string fqn, std::string dtype, U64s shape,
+             bool requires_grad, std::string layout, std::string memory_format, bool pin_memory,
+             std::vector<TensorChunk> chunks) {
+            new (self) ManifestTensor{std::move(fqn), std::move(dtype),  std::move(shape),
+                                      requires_grad,  std::move(layout), std::move(memory_format),
+                                      pin_memory,     std::move(chunks)};
+          },
+          nb::arg("fqn") = "", nb::arg("dtype") = "", nb::arg("shape") = U64s{},
+          nb::arg("requires_grad") = false, nb::arg("layout") = "strided",
+          nb::arg("memory_format") = "contiguous_format", nb::arg("pin_memory") = false,
+          nb::arg("chunks") = std::vector<TensorChunk>{})
       .def_rw("fqn", &ManifestTensor::fqn)
       .def_rw("dtype", &ManifestTensor::dtype)
       .def_rw("shape", &ManifestTensor::shape)
@@ -50,7 +80,12 @@ void RegisterManifest(nb::module_& m) {
       .def_rw("chunks", &ManifestTensor::chunks);
 
   nb::class_<ManifestBytes>(m, "ManifestBytes")
-      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](ManifestBytes* self, std::string fqn, ItemLocation location) {
+            new (self) ManifestBytes{std::move(fqn), std::move(location)};
+          },
+          nb::arg("fqn") = "", nb::arg("location") = ItemLocation{})
       .def_rw("fqn", &ManifestBytes::fqn)
       .def_rw("location", &ManifestBytes::location);
 
