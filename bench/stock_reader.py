@@ -28,7 +28,6 @@ import time
 import warnings
 import zipfile
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 import torch
@@ -39,7 +38,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from cairn import _pools
-from cairn._stock import (
+from cairn._stock_reader import (
     StockReader,
     _local_path,
     _open_regular,
@@ -163,8 +162,6 @@ class FileSystemStockReader(FileSystemReader):
 
     Args:
         path: the checkpoint directory (or ``file://`` URI).
-        thread_count: items read in parallel by this reader's own threads (default:
-            the process-wide executor of cairn._pools).
         verify_crc: check each item's zip CRC32s (torch.save writes them).
         allow_pickle: hand non-tensor items that need arbitrary unpickling to the
             planner anyway. Only for checkpoints you trust.
@@ -174,16 +171,13 @@ class FileSystemStockReader(FileSystemReader):
         self,
         path: str | os.PathLike,
         *,
-        thread_count: int | None = None,
         verify_crc: bool = True,
         allow_pickle: bool = False,
     ) -> None:
         super().__init__(_local_path(path))
         self.fs = _DataFiles()
         self.path = self.fs.init_path(path)
-        self.thread_count = thread_count or _pools.thread_count("copy")
-        self._own_threads = thread_count
-        self._executor: ThreadPoolExecutor | None = None
+        self.thread_count = _pools.thread_count("copy")
         self.verify_crc = verify_crc
         self.allow_pickle = allow_pickle
         self._names: dict[tuple[str, int], str] = {}
@@ -213,16 +207,18 @@ class FileSystemStockReader(FileSystemReader):
         guarded = _SerializedPlanner(planner, self)
         # Slices of the plan, each read by stock read_data on one thread (it
         # opens each file once per slice); items in file order, dealt round-robin.
-        items = sorted(
-            plan.items,
-            key=lambda r: (lambda s: (s.relative_path, s.offset))(self.storage_data[r.storage_index]),
-        )
+        def file_order(req) -> tuple[str, int]:
+            info = self.storage_data[req.storage_index]
+            return info.relative_path, info.offset
+
+        items = sorted(plan.items, key=file_order)
         n = max(1, min(self.thread_count, len(items)))
         slices = [dataclasses.replace(plan, items=items[i::n]) for i in range(n)]
         if n == 1:
             self._read_slice(slices[0], guarded)
         else:
-            futures = [self._thread_pool().submit(self._read_slice, s, guarded) for s in slices]
+            pool = _pools.python_executor()
+            futures = [pool.submit(self._read_slice, s, guarded) for s in slices]
             try:
                 for f in futures:
                     f.result()
@@ -237,15 +233,6 @@ class FileSystemStockReader(FileSystemReader):
         return is_stock_checkpoint(checkpoint_id)
 
     # -- internals ---------------------------------------------------------
-
-    def _thread_pool(self) -> ThreadPoolExecutor:
-        """This reader's own executor when given a thread_count, else the
-        process-wide one (cairn._pools); never one per call."""
-        if self._own_threads is None:
-            return _pools.python_executor()
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(self._own_threads, thread_name_prefix="cairn-stock")
-        return self._executor
 
     def _where(self, req=None, info: _StorageInfo | None = None) -> str:
         if info is None and req is not None:
@@ -303,7 +290,8 @@ def main() -> None:
         for name, make in readers.items():
             best = float("inf")
             for _ in range(args.repeat + 1):  # the first warms the page cache
-                out = {k: torch.empty_like(v) if torch.is_tensor(v) else 0 for k, v in state.items()}
+                out = {k: torch.empty_like(v) if torch.is_tensor(v) else 0
+                       for k, v in state.items()}
                 t0 = time.perf_counter()
                 dcp.load(out, storage_reader=make())
                 best = min(best, time.perf_counter() - t0)

@@ -26,7 +26,7 @@ error in a collective step, inside a ``CheckpointException`` whose
 ``failures`` hold the :class:`cairn.CorruptionError`.
 
 A path without a cairn manifest that holds a checkpoint written by stock
-``dcp.save`` (filesystem writer) is read through ``cairn._stock.StockReader``.
+``dcp.save`` (filesystem writer) is read through ``cairn._stock_reader.StockReader``.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ from cairn._dcp_metadata import (
     metadata_from_manifest,
     manifest_extra,
 )
-from cairn._stock import StockReader, check_value_is_safe, is_stock_checkpoint
+from cairn._stock_reader import StockReader, check_value_is_safe, is_stock_checkpoint
 
 
 __all__ = ["Writer", "Reader", "unwrap"]
@@ -122,13 +122,9 @@ def _uri(path: str | os.PathLike | None) -> str:
 
 
 def _local_path(uri: str) -> str | None:
-    if uri.startswith("s3://"):
-        return None
-    if uri.startswith("file://"):
-        return uri[len("file://") :]
-    if uri.startswith("shm://"):
-        return "/dev/shm/" + uri[len("shm://") :]
-    return uri
+    """The local directory of the storage at ``uri`` (the engine parses the
+    URI), or None when it has none (s3)."""
+    return _ext.local_dir_of_uri(uri) or None
 
 
 def _io_pool(thread_count: int | None) -> _ext.ThreadPool:
@@ -300,7 +296,7 @@ class Writer(StorageWriter):
             )
         _ext.uncommit(uri, clear_data=True)
         return [
-            dataclasses.replace(plan, storage_data=_RankFile(f"data/r{rank}.bin"))
+            dataclasses.replace(plan, storage_data=_RankFile(_ext.data_file_key(rank)))
             for rank, plan in enumerate(plans)
         ]
 
@@ -317,7 +313,7 @@ class Writer(StorageWriter):
         if isinstance(plan.storage_data, _RankFile):
             key = plan.storage_data.key
         else:  # a planner that dropped our storage_data: fall back to the rank
-            key = f"data/r{self.rank}.bin"
+            key = _ext.data_file_key(self.rank)
         keep_alive: list[Any] = []
         buffers: list[tuple[int, int]] = []
         for item in plan.items:
@@ -424,7 +420,7 @@ class Reader(StorageReader):
             process-wide pool, 16 to 32 threads).
         allow_pickle: load non-tensor values that need unrestricted unpickling.
             By default each must decode with ``torch.load(weights_only=True)``
-            plus cairn's allowlist ``cairn._stock.SAFE_VALUE_GLOBALS``
+            plus cairn's allowlist ``cairn._stock_reader.SAFE_VALUE_GLOBALS``
             (numbers, strings, containers, tensors, ``io.BytesIO``, optimizer
             ``param_groups``, LR scheduler states), and any other value is
             refused with :class:`cairn.CorruptionError`: DCP's planner would
