@@ -21,13 +21,10 @@ import dataclasses
 import io
 import os
 import shutil
-import struct
 import tempfile
 import threading
 import time
 import warnings
-import zipfile
-import zlib
 from typing import IO, Any
 
 import torch
@@ -39,6 +36,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from cairn import _pools
 from cairn._stock_reader import (
+    _Archive,
     StockReader,
     _local_path,
     _open_regular,
@@ -59,34 +57,13 @@ from cairn.errors import CorruptionError, InvalidArgumentError
 # zip CRC32s, which torch.load does not check) and wraps the planner (the value
 # allowlist before load_bytes, one planner call at a time).
 
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_MAGIC = b"PK\x03\x04"
 
 
 def _verify_zip_crcs(data: bytes, where: str) -> None:
     """Checks the CRC32 of every stored entry of the torch.save archive held in
     ``data`` (torch.save writes them; torch.load never checks them)."""
-    view = memoryview(data)
-    try:
-        infos = zipfile.ZipFile(io.BytesIO(data)).infolist()
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
-        raise CorruptionError(f"{where}: not a torch.save archive ({e})") from e
-    for info in infos:
-        h = info.header_offset
-        if h < 0 or h + _LOCAL_HEADER.size > len(view):
-            raise CorruptionError(f"{where}: zip entry {info.filename} out of range")
-        fields = _LOCAL_HEADER.unpack_from(view, h)
-        if fields[0] != _LOCAL_MAGIC:
-            raise CorruptionError(f"{where}: zip entry {info.filename} has a bad header")
-        start = h + _LOCAL_HEADER.size + fields[9] + fields[10]
-        end = start + info.compress_size
-        if end > len(view):
-            raise CorruptionError(f"{where}: zip entry {info.filename} is truncated")
-        if info.compress_type == zipfile.ZIP_STORED and zlib.crc32(view[start:end]) != info.CRC:
-            raise CorruptionError(
-                f"{where}: checksum mismatch in {info.filename} (if it was saved "
-                "with CRC32 disabled, pass verify_crc=False)"
-            )
+    _Archive(data, where, verify_crc=True)
 
 
 class _DataFiles(FileSystem):
