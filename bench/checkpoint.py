@@ -428,7 +428,7 @@ def cairn_load(ctx: Context, path: Path) -> tuple[float, dict]:
 
 def stock_cairn_load(ctx: Context, path: Path) -> tuple[float, dict]:
     """cairn.Reader on a checkpoint written by stock dcp.save (the migration path:
-    cairn._stock.StockReader, CRC-checked, no unsafe unpickling)."""
+    cairn._stock_reader.StockReader, CRC-checked, no unsafe unpickling)."""
     dest = like(ctx.state)
     ctx.cold()
     t0 = time.perf_counter()

@@ -51,20 +51,9 @@ struct SourceFile {
 // kInvalidArgument, so a cached file can never be confused with a temp file.
 Result<std::vector<SourceFile>> ListFiles(Storage* source);
 
-// Opens a read-only source: anything OpenStorage() accepts (without creating
-// it), or "slow://PATH?latency=SECONDS&bandwidth=BYTES_PER_S", a posix source
-// wrapped by NewThrottledStorage (for tests and benchmarks of slow mounts).
+// Opens a read-only source: OpenStorage(uri, /*create=*/false), so anything
+// the one registry accepts, "slow://PATH?..." (a throttled source) included.
 Result<std::unique_ptr<Storage>> OpenSourceStorage(std::string_view uri);
-
-// Wraps `base` so that it behaves like a slow mount: every open, list and
-// stat sleeps `latency_s` (operations from several threads overlap, as they do
-// on a network mount), and reads share a bandwidth cap of `bytes_per_s` (0 =
-// none). The cap is shared by every process of the node that wraps a source
-// with the same `share_name`: its state lives in a page of /dev/shm named
-// "cairn-throttle-<share_name>". Thread-safe.
-Result<std::unique_ptr<Storage>> NewThrottledStorage(std::unique_ptr<Storage> base,
-                                                     double latency_s, double bytes_per_s,
-                                                     const std::string& share_name);
 
 struct FileCacheOptions {
   // Directory that holds the cache (node-local, fast). The cache of one

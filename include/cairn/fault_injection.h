@@ -141,10 +141,11 @@ class FaultInjector {
   std::atomic<uint64_t> injected_{0};
 };
 
-// A Storage that forwards to a base Storage through a FaultInjector.
-// Thread-safe as the base is. Owns the base when given a unique_ptr; the
-// Storage* form borrows it (the base must outlive the wrapper and its files).
-class FaultInjectionStorage final : public Storage {
+// A Storage that forwards to a base Storage through a FaultInjector: a
+// StorageWrapper overriding the calls a fault can hit. Thread-safe as the base
+// is. Owns the base when given a unique_ptr; the Storage* form borrows it (the
+// base must outlive the wrapper and its files).
+class FaultInjectionStorage final : public StorageWrapper {
  public:
   explicit FaultInjectionStorage(std::unique_ptr<Storage> base,
                                  std::shared_ptr<FaultInjector> injector = nullptr);
@@ -152,7 +153,7 @@ class FaultInjectionStorage final : public Storage {
 
   FaultInjector& injector() { return *injector_; }
   const std::shared_ptr<FaultInjector>& shared_injector() const { return injector_; }
-  Storage* base() const { return base_; }
+  Storage* base() const { return target(); }
 
   Result<std::unique_ptr<WritableFile>> NewWritableFile(std::string_view key,
                                                         const WriteOptions& opts = {}) override;
@@ -166,12 +167,18 @@ class FaultInjectionStorage final : public Storage {
   Result<std::vector<DirEntry>> List(std::string_view dir) override;
   Result<bool> Exists(std::string_view key) override;
   Result<uint64_t> FileSize(std::string_view key) override;
-  std::string Describe() const override;
-  std::string LocalPath() const override { return base_->LocalPath(); }
+  // The default commit (temp file, sync, rename, sync dir) through this
+  // wrapper, so manifest commits meet the injected faults too.
+  Status PutAtomic(std::string_view key, std::string_view data, bool if_absent = false) override {
+    return Storage::PutAtomic(key, data, if_absent);
+  }
+  Status AbortStaleUploads(std::string_view dir, double older_than_s,
+                           size_t* aborted = nullptr) override {
+    return Storage::AbortStaleUploads(dir, older_than_s, aborted);
+  }
 
  private:
-  std::unique_ptr<Storage> owned_;
-  Storage* base_;
+  Storage* base_;  // == target()
   std::shared_ptr<FaultInjector> injector_;
 };
 

@@ -25,6 +25,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "cairn/status.h"
@@ -190,6 +191,52 @@ class Storage {
   virtual std::string LocalPath() const { return {}; }
 };
 
+// A Storage that forwards every call to a target storage (LevelDB's
+// EnvWrapper). Wrappers that change a few calls (fault injection, throttling)
+// derive from it and override only those; anything else reaches the target
+// unchanged. Thread-safe as the target is. Owns the target when constructed
+// from a unique_ptr; otherwise the target must outlive the wrapper.
+class StorageWrapper : public Storage {
+ public:
+  explicit StorageWrapper(Storage* target) : target_(target) {}
+  explicit StorageWrapper(std::unique_ptr<Storage> target)
+      : owned_(std::move(target)), target_(owned_.get()) {}
+
+  Storage* target() const { return target_; }
+
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(std::string_view key,
+                                                        const WriteOptions& opts = {}) override {
+    return target_->NewWritableFile(key, opts);
+  }
+  Result<std::unique_ptr<ReadableFile>> NewReadableFile(std::string_view key,
+                                                        const ReadOptions& opts = {}) override {
+    return target_->NewReadableFile(key, opts);
+  }
+  Status Rename(std::string_view from, std::string_view to) override {
+    return target_->Rename(from, to);
+  }
+  Status SyncDir(std::string_view dir) override { return target_->SyncDir(dir); }
+  Status CreateDir(std::string_view dir) override { return target_->CreateDir(dir); }
+  Status DeleteFile(std::string_view key) override { return target_->DeleteFile(key); }
+  Status DeleteDir(std::string_view dir) override { return target_->DeleteDir(dir); }
+  Result<std::vector<DirEntry>> List(std::string_view dir) override { return target_->List(dir); }
+  Result<bool> Exists(std::string_view key) override { return target_->Exists(key); }
+  Result<uint64_t> FileSize(std::string_view key) override { return target_->FileSize(key); }
+  Status PutAtomic(std::string_view key, std::string_view data, bool if_absent = false) override {
+    return target_->PutAtomic(key, data, if_absent);
+  }
+  Status AbortStaleUploads(std::string_view dir, double older_than_s,
+                           size_t* aborted = nullptr) override {
+    return target_->AbortStaleUploads(dir, older_than_s, aborted);
+  }
+  std::string Describe() const override { return target_->Describe(); }
+  std::string LocalPath() const override { return target_->LocalPath(); }
+
+ private:
+  std::unique_ptr<Storage> owned_;
+  Storage* target_;
+};
+
 // Checks that `key` is a safe relative key (see the comment at the top).
 // The empty key is valid only when `allow_root` is true.
 Status ValidateKey(std::string_view key, bool allow_root = false);
@@ -209,10 +256,26 @@ std::string ShmDirectory(std::string_view name);
 // A fresh, empty in-memory storage. Its contents die with the object.
 std::unique_ptr<Storage> NewMemStorage();
 
-// Opens the storage named by `uri`: a plain path or "file://PATH" (posix),
-// "shm://NAME" (shm), "mem://" (a fresh mem storage), "s3://BUCKET/PREFIX"
-// (s3, configured from the environment: cairn/s3.h) or "fault://NAME/SUB"
-// (a registered fault injector's base, see cairn/fault_injection.h).
+// Wraps `base` so that it behaves like a slow mount: every open, list and
+// stat sleeps `latency_s` (operations from several threads overlap, as they do
+// on a network mount), and reads share a bandwidth cap of `bytes_per_s` (0 =
+// none). The cap is shared by every process of the node that wraps a source
+// with the same `share_name`: its state lives in a page of /dev/shm named
+// "cairn-throttle-<share_name>". Thread-safe.
+Result<std::unique_ptr<Storage>> NewThrottledStorage(std::unique_ptr<Storage> base,
+                                                     double latency_s, double bytes_per_s,
+                                                     const std::string& share_name);
+
+// "slow://PATH?latency=SECONDS&bandwidth=BYTES_PER_S&share=NAME": the storage
+// at PATH (opened without creating it) behind NewThrottledStorage, for tests
+// and benchmarks of slow mounts. `share` defaults to one per (user, PATH, rate).
+Result<std::unique_ptr<Storage>> OpenThrottledStorage(std::string_view uri);
+
+// The one registry: opens the storage named by `uri`: a plain path or
+// "file://PATH" (posix), "shm://NAME" (shm), "mem://" (a fresh mem storage),
+// "s3://BUCKET/PREFIX" (s3, configured from the environment: cairn/s3.h),
+// "fault://NAME/SUB" (a registered fault injector's base, see
+// cairn/fault_injection.h) or "slow://PATH?..." (OpenThrottledStorage).
 Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create = true);
 
 // The local directory that OpenStorage(uri) is (or would be) rooted at, whether

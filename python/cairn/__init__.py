@@ -5,7 +5,7 @@ Three depths of use: ``cairn.Writer``/``cairn.Reader`` as DCP storage backends;
 ``cairn.data`` for a cached, partitioned, resumable data pipeline.
 """
 
-from cairn.checkpoint import copy_checkpoint, latest_valid, list_checkpoints, verify
+from cairn.discovery import copy_checkpoint, latest_valid, list_checkpoints, verify
 from cairn.errors import (
     CorruptionError,
     Error,

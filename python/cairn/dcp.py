@@ -26,7 +26,7 @@ error in a collective step, inside a ``CheckpointException`` whose
 ``failures`` hold the :class:`cairn.CorruptionError`.
 
 A path without a cairn manifest that holds a checkpoint written by stock
-``dcp.save`` (filesystem writer) is read through ``cairn._stock.StockReader``.
+``dcp.save`` (filesystem writer) is read through ``cairn._stock_reader.StockReader``.
 """
 
 from __future__ import annotations
@@ -36,21 +36,16 @@ import io
 import json
 import os
 import shutil
-import time
 import uuid
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -72,7 +67,15 @@ from cairn.errors import (
     PreconditionError,
 )
 
-from cairn._stock import StockReader, check_value_is_safe, is_stock_checkpoint
+from cairn._dcp_metadata import (
+    Item,
+    Location,
+    dtype_name,
+    manifest_from_metadata,
+    metadata_from_manifest,
+    manifest_extra,
+)
+from cairn._stock_reader import StockReader, check_value_is_safe, is_stock_checkpoint
 
 
 __all__ = ["Writer", "Reader", "unwrap"]
@@ -134,13 +137,9 @@ def _staging_dir(path: str | os.PathLike) -> str:
 
 
 def _local_path(uri: str) -> str | None:
-    if uri.startswith("s3://"):
-        return None
-    if uri.startswith("file://"):
-        return uri[len("file://") :]
-    if uri.startswith("shm://"):
-        return "/dev/shm/" + uri[len("shm://") :]
-    return uri
+    """The local directory of the storage at ``uri`` (the engine parses the
+    URI), or None when it has none (s3)."""
+    return _ext.local_dir_of_uri(uri) or None
 
 
 def _io_pool(thread_count: int | None) -> _ext.ThreadPool:
@@ -159,92 +158,11 @@ def _check_serialization_format(fmt: Any) -> None:
         )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if _ext.dtype_itemsize(name) == 0:
-        raise InvalidArgumentError(f"cairn cannot store tensors of dtype {dtype}")
-    return name
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise InvalidArgumentError(f"checkpoint uses dtype {name!r}, unknown to this torch")
-    return dt
-
-
-_MEMORY_FORMATS = {
-    "contiguous_format": torch.contiguous_format,
-    "channels_last": torch.channels_last,
-    "channels_last_3d": torch.channels_last_3d,
-    "preserve_format": torch.preserve_format,
-}
-
-
-def _encode(value: Any) -> Any:
-    """Encodes DCP planner data (nested dicts/lists/tuples of scalars) as JSON.
-
-    Dicts and tuples are tagged so they decode to the same types; anything
-    else is refused: cairn never pickles.
-    """
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, list):
-        return [_encode(v) for v in value]
-    if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v) for v in value]}
-    if isinstance(value, dict):
-        return {"__dict__": [[_encode(k), _encode(v)] for k, v in value.items()]}
-    raise InvalidArgumentError(
-        f"cannot store planner data of type {type(value).__name__} in a cairn manifest "
-        "(only dicts, lists, tuples and scalars: cairn never pickles)"
-    )
-
-
-def _decode(value: Any) -> Any:
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    if isinstance(value, dict):
-        if set(value) == {"__tuple__"} and isinstance(value["__tuple__"], list):
-            return tuple(_decode(v) for v in value["__tuple__"])
-        if set(value) == {"__dict__"} and isinstance(value["__dict__"], list):
-            out = {}
-            for pair in value["__dict__"]:
-                if not isinstance(pair, list) or len(pair) != 2:
-                    raise CorruptionError("malformed planner data in the manifest")
-                key = _decode(pair[0])
-                if isinstance(key, list):
-                    raise CorruptionError("malformed planner data in the manifest")
-                out[key] = _decode(pair[1])
-            return out
-        raise CorruptionError("malformed planner data in the manifest")
-    return value
-
-
 @dataclasses.dataclass(frozen=True)
 class _RankFile:
     """SavePlan.storage_data: the data file a rank writes."""
 
     key: str
-
-
-class _Location(NamedTuple):
-    """WriteResult.storage_data: where one item went (small and picklable)."""
-
-    file: str
-    file_size: int
-    offset: int
-    length: int
-    checksums: tuple[int, ...]
-
-
-class _Item(NamedTuple):
-    """Reader-side storage_data: a manifest item (kind 0 tensor chunk, 1 bytes)."""
-
-    kind: int
-    index: int
-    chunk: int
-    length: int
 
 
 # ---- Writer -----------------------------------------------------------------
@@ -403,7 +321,7 @@ class Writer(StorageWriter):
             )
         _ext.uncommit(uri, clear_data=True)
         return [
-            dataclasses.replace(plan, storage_data=_RankFile(f"data/r{rank}.bin"))
+            dataclasses.replace(plan, storage_data=_RankFile(_ext.data_file_key(rank)))
             for rank, plan in enumerate(plans)
         ]
 
@@ -420,7 +338,7 @@ class Writer(StorageWriter):
         if isinstance(plan.storage_data, _RankFile):
             key = plan.storage_data.key
         else:  # a planner that dropped our storage_data: fall back to the rank
-            key = f"data/r{self.rank}.bin"
+            key = _ext.data_file_key(self.rank)
         keep_alive: list[Any] = []
         buffers: list[tuple[int, int]] = []
         for item in plan.items:
@@ -433,7 +351,7 @@ class Writer(StorageWriter):
                 buffers.append((arr.ctypes.data, arr.nbytes))
             else:
                 t = data.detach()
-                _dtype_name(t.dtype)  # refuse unstorable dtypes before writing anything
+                dtype_name(t.dtype)  # refuse unstorable dtypes before writing anything
                 if t.device.type != "cpu":
                     t = t.cpu()
                 t = t.contiguous()
@@ -456,7 +374,7 @@ class Writer(StorageWriter):
             WriteResult(
                 index=item.index,
                 size_in_bytes=length,
-                storage_data=_Location(key, file_size, offset, length, tuple(sums)),
+                storage_data=Location(key, file_size, offset, length, tuple(sums)),
             )
             for item, (offset, length, sums) in zip(plan.items, locations)
         ]
@@ -480,9 +398,9 @@ class Writer(StorageWriter):
         return file_size, locations
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        body = _manifest_body(metadata, results, self.block_size, self.path, self.save_id)
-        body["extra"]["user"] = self.user_metadata
-        _ext.commit_manifest(_uri(self.path), json.dumps(body, separators=(",", ":")))
+        extra = {"save_id": self.save_id, "path": self.path, "user": self.user_metadata}
+        manifest = manifest_from_metadata(metadata, results, self.block_size, extra)
+        _ext.commit_manifest(_uri(self.path), manifest)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -494,95 +412,6 @@ class Writer(StorageWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
-
-
-def _manifest_body(
-    metadata: Metadata,
-    results: list[list[WriteResult]],
-    block_size: int,
-    path: str | None,
-    save_id: str,
-) -> dict[str, Any]:
-    """Builds the manifest JSON body (docs/format.md) from DCP's Metadata."""
-    locations: dict[MetadataIndex, _Location] = {}
-    file_sizes: dict[str, int] = {}
-    for rank_results in results:
-        for wr in rank_results:
-            loc = wr.storage_data
-            if not isinstance(loc, _Location):
-                raise InvalidArgumentError(f"unexpected write result for {wr.index.fqn!r}")
-            locations[wr.index] = loc
-            file_sizes[loc.file] = loc.file_size
-    file_keys = sorted(file_sizes, key=lambda k: (len(k), k))
-    file_index = {k: i for i, k in enumerate(file_keys)}
-
-    def location(index: MetadataIndex) -> dict[str, Any]:
-        loc = locations.get(index)
-        if loc is None:
-            raise InvalidArgumentError(f"no data was written for {index.fqn!r} {index.offset}")
-        return {
-            "file": file_index[loc.file],
-            "offset": loc.offset,
-            "length": loc.length,
-            "checksums": [f"{c:016x}" for c in loc.checksums],
-        }
-
-    tensors = []
-    bytes_items = []
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            props = md.properties
-            chunks = []
-            for ch in md.chunks:
-                entry = location(MetadataIndex(fqn, ch.offsets))
-                entry["offsets"] = list(ch.offsets)
-                entry["sizes"] = list(ch.sizes)
-                chunks.append(entry)
-            tensors.append(
-                {
-                    "fqn": fqn,
-                    "dtype": _dtype_name(props.dtype),
-                    "shape": list(md.size),
-                    "requires_grad": bool(props.requires_grad),
-                    "layout": str(props.layout).removeprefix("torch."),
-                    "memory_format": str(props.memory_format).removeprefix("torch."),
-                    "pin_memory": bool(props.pin_memory),
-                    "chunks": chunks,
-                }
-            )
-        elif isinstance(md, BytesStorageMetadata):
-            entry = location(MetadataIndex(fqn))
-            entry["fqn"] = fqn
-            bytes_items.append(entry)
-        else:
-            raise InvalidArgumentError(f"unsupported DCP storage metadata for {fqn!r}: {md!r}")
-
-    sm = metadata.storage_meta
-    return {
-        "format_version": _ext.FORMAT_VERSION,
-        "checksum": _ext.CHECKSUM_ALGORITHM,
-        "world_size": max(1, len(results)),
-        "block_size": block_size,
-        "created_unix_ms": int(time.time() * 1000),
-        "files": [{"key": k, "size": file_sizes[k]} for k in file_keys],
-        "tensors": tensors,
-        "bytes": bytes_items,
-        "extra": {
-            "dcp": {
-                "version": metadata.version,
-                "planner_data": _encode(metadata.planner_data),
-                "storage_meta": None
-                if sm is None
-                else {
-                    "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
-                    "save_id": sm.save_id,
-                    "modules": list(sm.modules),
-                },
-            },
-            "save_id": save_id,
-            "path": path,
-        },
-    }
 
 
 # ---- Reader -----------------------------------------------------------------
@@ -635,7 +464,7 @@ class Reader(StorageReader):
             process-wide pool, 16 to 32 threads).
         allow_pickle: load non-tensor values that need unrestricted unpickling.
             By default each must decode with ``torch.load(weights_only=True)``
-            plus cairn's allowlist ``cairn._stock.SAFE_VALUE_GLOBALS``
+            plus cairn's allowlist ``cairn._stock_reader.SAFE_VALUE_GLOBALS``
             (numbers, strings, containers, tensors, ``io.BytesIO``, optimizer
             ``param_groups``, LR scheduler states), and any other value is
             refused with :class:`cairn.CorruptionError`: DCP's planner would
@@ -670,7 +499,7 @@ class Reader(StorageReader):
         self._reader: _ext.CheckpointReader | None = None
         self._stock: StorageReader | None = None
         self._metadata: Metadata | None = None
-        self._items: dict[MetadataIndex, _Item] = {}
+        self._items: dict[MetadataIndex, Item] = {}
         self._user_metadata: dict = {}
         if path is not None:
             self._open(_uri(path))
@@ -718,15 +547,15 @@ class Reader(StorageReader):
         try:
             # The engine validated the manifest (extra.dcp included); anything
             # that still fails to convert is a damaged manifest, not a bug.
-            body = json.loads(self._reader.manifest_json())
-            self._metadata, self._items = _metadata_from_manifest(body)
+            manifest = self._reader.manifest()
+            self._metadata, self._items = metadata_from_manifest(manifest)
         except Error as e:
             if uri in str(e):
                 raise
             raise type(e)(f"{uri}: {e}") from e
         except Exception as e:  # noqa: BLE001 - untrusted input
             raise CorruptionError(f"{uri}: malformed manifest ({e!r})") from e
-        user = body.get("extra", {}).get("user", {})
+        user = manifest_extra(manifest).get("user", {})
         self._user_metadata = user if isinstance(user, dict) else {}
 
     def close(self) -> None:
@@ -856,47 +685,3 @@ class Reader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return Writer.validate_checkpoint_id(checkpoint_id)
-
-
-def _metadata_from_manifest(body: dict[str, Any]) -> tuple[Metadata, dict[MetadataIndex, _Item]]:
-    """Rebuilds DCP ``Metadata`` from a validated manifest body."""
-    state: dict[str, Any] = {}
-    items: dict[MetadataIndex, _Item] = {}
-    for ti, t in enumerate(body["tensors"]):
-        props = TensorProperties(
-            dtype=_dtype_from_name(t["dtype"]),
-            layout=torch.strided,
-            requires_grad=t["requires_grad"],
-            memory_format=_MEMORY_FORMATS.get(t["memory_format"], torch.contiguous_format),
-            pin_memory=t["pin_memory"],
-        )
-        chunks = []
-        for ci, c in enumerate(t["chunks"]):
-            offsets = torch.Size(c["offsets"])
-            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(c["sizes"])))
-            items[MetadataIndex(t["fqn"], offsets)] = _Item(0, ti, ci, c["length"])
-        state[t["fqn"]] = TensorStorageMetadata(
-            properties=props, size=torch.Size(t["shape"]), chunks=chunks
-        )
-    for bi, b in enumerate(body["bytes"]):
-        state[b["fqn"]] = BytesStorageMetadata()
-        items[MetadataIndex(b["fqn"])] = _Item(1, bi, 0, b["length"])
-    dcp_extra = body.get("extra", {}).get("dcp", {}) or {}
-    if not isinstance(dcp_extra, dict):
-        raise CorruptionError("malformed 'extra.dcp' section in the manifest")
-    sm = dcp_extra.get("storage_meta")
-    storage_meta = None
-    if isinstance(sm, dict):
-        storage_meta = StorageMeta(
-            checkpoint_id=sm.get("checkpoint_id"),
-            save_id=sm.get("save_id"),
-            modules=list(sm.get("modules") or []),
-        )
-    metadata = Metadata(
-        state_dict_metadata=state,
-        planner_data=_decode(dcp_extra.get("planner_data")),
-        storage_data=items,
-        storage_meta=storage_meta,
-        version=dcp_extra.get("version"),
-    )
-    return metadata, items

@@ -46,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import json
 import logging
 import os
 import shutil
@@ -68,7 +67,8 @@ from torch.futures import Future
 
 from cairn import _chaos, _ext, _memory_budget, _pools
 from cairn._staging import SlotStager, byte_source, staged_nbytes
-from cairn.dcp import Reader, _Location, _manifest_body
+from cairn._dcp_metadata import Location, manifest_extra, manifest_from_metadata
+from cairn.dcp import Reader
 from cairn.errors import CorruptionError, Error, InvalidArgumentError, TimeoutError
 from cairn.state import RNGState
 
@@ -155,7 +155,7 @@ class _StagingWriter(StorageWriter):
         self.address = int(staged.address)
         self.local_results = [
             WriteResult(index=item.index, size_in_bytes=length,
-                        storage_data=_Location(key, self.capacity, off, length, ()))
+                        storage_data=Location(key, self.capacity, off, length, ()))
             for item, off, length in zip(plan.items, staged.offsets, staged.lengths)
         ]
         fut: Future[list[WriteResult]] = Future()
@@ -408,10 +408,10 @@ class CheckpointManager:
             if not _ext.has_manifest(uri):
                 continue
             try:
-                body = json.loads(_ext.CheckpointReader(uri).manifest_json())
+                manifest = _ext.CheckpointReader(uri).manifest()
             except Error:
                 continue
-            extra = body.get("extra", {}).get("manager", {})
+            extra = manifest_extra(manifest).get("manager", {})
             if extra.get("run_id") == self.run_id and isinstance(extra.get("step"), int):
                 out[slot] = (extra["step"], uri)
         return out
@@ -557,7 +557,7 @@ class CheckpointManager:
             _ext.commit_manifest(uri, body)
             self._prune(tier, keep)
 
-    def _body(self, rec: _Save, everyone: list[dict], size_key: str) -> str:
+    def _body(self, rec: _Save, everyone: list[dict], size_key: str) -> _ext.Manifest:
         """The manifest of this save, with the per-rank file sizes of one tier."""
         w = rec.writer
         assert w.metadata is not None and w.results is not None
@@ -568,13 +568,12 @@ class CheckpointManager:
             for wr, sums in zip(rank_results, info["sums"]):
                 loc = wr.storage_data
                 fixed.append(dataclasses.replace(
-                    wr, storage_data=_Location(loc.file, info[size_key], loc.offset,
+                    wr, storage_data=Location(loc.file, info[size_key], loc.offset,
                                                loc.length, sums)))
             results.append(fixed)
-        body = _manifest_body(w.metadata, results, int(_ext.DEFAULT_BLOCK_SIZE), None,
-                              uuid.uuid4().hex)
-        body["extra"]["manager"] = {"step": rec.step, "run_id": self.run_id}
-        return json.dumps(body, separators=(",", ":"))
+        extra = {"save_id": uuid.uuid4().hex, "path": None,
+                 "manager": {"step": rec.step, "run_id": self.run_id}}
+        return manifest_from_metadata(w.metadata, results, int(_ext.DEFAULT_BLOCK_SIZE), extra)
 
     def _prune(self, tier: str, keep: int | None) -> None:
         """Keeps the newest `keep` committed checkpoints of `tier` (all with None);

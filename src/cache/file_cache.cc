@@ -155,6 +155,10 @@ void WalkFiles(const std::string& dir, Fn&& fn) {
 
 }  // namespace
 
+Result<std::unique_ptr<Storage>> OpenSourceStorage(std::string_view uri) {
+  return OpenStorage(uri, /*create=*/false);
+}
+
 Result<std::vector<SourceFile>> ListFiles(Storage* source) {
   std::vector<SourceFile> out;
   CAIRN_RETURN_IF_ERROR(ListInto(source, "", &out).WithContext("listing " + source->Describe()));

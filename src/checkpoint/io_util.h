@@ -11,6 +11,7 @@
 
 #include "cairn/manifest.h"
 #include "cairn/status.h"
+#include "cairn/storage.h"
 
 namespace cairn::internal {
 
@@ -66,5 +67,16 @@ std::string JoinDir(std::string_view dir, std::string_view key);
 
 // "tensor 'fqn'" or "tensor 'fqn' chunk at [0, 128]" when it has several.
 std::string ChunkName(const ManifestTensor& t, size_t chunk);
+
+// "<storage description>/dir", for error messages (reader.cc).
+std::string Where(Storage* storage, std::string_view dir);
+
+// Opens data file `f` of a checkpoint and checks its size against the
+// manifest; a missing, non-regular or wrongly sized file is DataLoss.
+// `needed_by` names an item stored in it, for the message (reader.cc).
+Result<std::unique_ptr<ReadableFile>> OpenDataFile(Storage* storage, std::string_view dir,
+                                                   const ManifestFile& f,
+                                                   const std::string& needed_by,
+                                                   const ReadOptions& opts = {});
 
 }  // namespace cairn::internal

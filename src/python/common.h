@@ -50,6 +50,7 @@ inline DataFileOptions MakeDataFileOptions(bool direct_io, bool sync, uint64_t b
 
 // Each area of the extension registers its functions from its own file.
 void RegisterStorage(nanobind::module_& m);
+void RegisterManifest(nanobind::module_& m);
 void RegisterCheckpoint(nanobind::module_& m);
 void RegisterStaging(nanobind::module_& m);
 void RegisterCache(nanobind::module_& m);

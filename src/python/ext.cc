@@ -24,6 +24,7 @@ void RaiseStatus(const Status& s) {
 NB_MODULE(_ext, m) {
   m.doc() = "cairn's C++ engine (internal; use the cairn package)";
   cairn::python::RegisterStorage(m);
+  cairn::python::RegisterManifest(m);
   cairn::python::RegisterCheckpoint(m);
   cairn::python::RegisterStaging(m);
   cairn::python::RegisterCache(m);

@@ -45,7 +45,7 @@ class PyCheckpointReader {
     ThrowIfError(status_);
   }
 
-  std::string ManifestJson() const { return ValueOrThrow(ManifestToJson(reader_->manifest())); }
+  const Manifest& manifest() const { return reader_->manifest(); }
 
   // requests: (kind, index, chunk, dest address, nbytes, byte offset in the
   // item); kind 0 = tensor chunk, 1 = bytes item.
@@ -168,24 +168,17 @@ void RegisterCheckpoint(nb::module_& m) {
 
   m.def(
       "commit_manifest",
-      [](const std::string& uri, const std::string& body_json) {
+      [](const std::string& uri, const Manifest& manifest) {
         Status s;
         {
           nb::gil_scoped_release release;
-          auto m = ManifestFromJson(body_json, /*from_storage=*/false);
           auto storage = OpenStorage(uri, /*create=*/true);
-          if (!m.ok()) {
-            s = m.status();
-          } else if (!storage.ok()) {
-            s = storage.status();
-          } else {
-            s = CommitManifest(storage->get(), "", *m);
-          }
+          s = storage.ok() ? CommitManifest(storage->get(), "", manifest) : storage.status();
         }
         ThrowIfError(s);
       },
-      nb::arg("uri"), nb::arg("body_json"),
-      "Validates a manifest JSON body and commits it (written last, atomically).");
+      nb::arg("uri"), nb::arg("manifest"),
+      "Validates a Manifest and commits it (written last, atomically).");
 
   m.def(
       "uncommit",
@@ -215,22 +208,6 @@ void RegisterCheckpoint(nb::module_& m) {
       nb::arg("uri"), "Whether `uri` holds a cairn manifest (committed or damaged).");
 
   m.attr("MAX_BYTES_ITEM_SIZE") = format::kMaxBytesItemSize;
-
-  m.def(
-      "decode_manifest",
-      [](nb::bytes data) {
-        std::string_view bytes(data.c_str(), data.size());
-        Result<std::string> r = InternalError("unset");
-        {
-          nb::gil_scoped_release release;
-          auto m = DecodeManifest(bytes);
-          r = m.ok() ? ManifestToJson(*m) : Result<std::string>(m.status());
-        }
-        return ValueOrThrow(std::move(r));
-      },
-      nb::arg("data"),
-      "Decodes and validates complete manifest file bytes (no I/O); returns the body as\n"
-      "JSON. Raises CorruptionError for a damaged or invalid manifest.");
 
   m.def(
       "validate_chunk_coverage",
@@ -299,7 +276,8 @@ void RegisterCheckpoint(nb::module_& m) {
       .def(nb::init<const std::string&>(), nb::arg("uri"),
            "Opens the committed checkpoint at `uri`: reads and validates the manifest and\n"
            "checks every data file's size.")
-      .def("manifest_json", &PyCheckpointReader::ManifestJson)
+      .def("manifest", &PyCheckpointReader::manifest, nb::rv_policy::copy,
+           "The validated Manifest (a copy).")
       .def("read", &PyCheckpointReader::Read, nb::arg("requests"), nb::arg("pool"),
            "Reads (kind, index, chunk, address, nbytes, offset) requests in parallel, verified.");
 

@@ -49,6 +49,10 @@ void RegisterStorage(nb::module_& m) {
   m.def(
       "shm_directory", [](const std::string& name) { return ShmDirectory(name); }, nb::arg("name"),
       "The local directory behind shm://NAME (/dev/shm/NAME).");
+  m.def(
+      "local_dir_of_uri", [](const std::string& uri) { return LocalDirOfUri(uri); }, nb::arg("uri"),
+      "The local directory the storage at `uri` is (or would be) rooted at, without I/O; "
+      "'' when it has none (s3, mem, fault, slow).");
 
   nb::class_<PyStorage>(m, "Storage",
                         "A storage backend opened with open_storage(uri). Keys are relative, "

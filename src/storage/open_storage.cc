@@ -7,7 +7,7 @@ namespace cairn {
 
 Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create) {
   constexpr std::string_view kFile = "file://", kShm = "shm://", kMem = "mem://",
-                             kFault = "fault://", kS3 = "s3://";
+                             kFault = "fault://", kS3 = "s3://", kSlow = "slow://";
   auto starts = [&](std::string_view p) { return uri.substr(0, p.size()) == p; };
   if (uri.empty()) return InvalidArgumentError("empty storage URI");
   if (starts(kShm)) {
@@ -18,6 +18,7 @@ Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create) 
   if (uri == kMem) return std::unique_ptr<Storage>(NewMemStorage());
   if (starts(kFault)) return OpenFaultStorage(uri, create);
   if (starts(kS3)) return NewS3Storage(uri, S3OptionsFromEnvironment(), create);
+  if (starts(kSlow)) return OpenThrottledStorage(uri);
   if (starts(kFile)) uri.remove_prefix(kFile.size());
   if (uri.find("://") != std::string_view::npos) {
     return InvalidArgumentError("unsupported storage URI scheme: " + std::string(uri));

@@ -3,7 +3,7 @@
 ``writer(kind, path)`` / ``reader(kind, path)`` with kind ``"cairn"`` (cairn's own
 format) or ``"stock"`` (a checkpoint written by stock ``dcp.save`` with the
 filesystem writer, read back through ``cairn.Reader``, which delegates to
-``cairn._stock.StockReader``).
+``cairn._stock_reader.StockReader``).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import cairn
 from cairn import _ext
-from cairn.dcp import _metadata_from_manifest
+from cairn._dcp_metadata import metadata_from_manifest
 
 warnings.filterwarnings("ignore")
 
@@ -160,7 +160,7 @@ def main() -> int:
         mutated = mutate_json(rng, body) if rng.random() < 0.6 else mutate_bytes(rng, body_bytes)
         data = envelope(mutated)
         try:
-            _metadata_from_manifest(json.loads(_ext.decode_manifest(data)))
+            metadata_from_manifest(_ext.decode_manifest(data))
             counts["decoded"] += 1
         except BaseException as e:  # noqa: BLE001
             if not isinstance(e, cairn.Error):

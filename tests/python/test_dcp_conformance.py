@@ -144,7 +144,7 @@ def test_bytesio_carrying_a_hostile_attribute_is_refused_without_running(tmp_pat
 
 
 def test_allowlist_leaves_torchs_safe_globals_as_it_found_them():
-    from cairn._stock import check_value_is_safe
+    from cairn._stock_reader import check_value_is_safe
 
     before = set(torch.serialization.get_safe_globals())
     buf = io.BytesIO()

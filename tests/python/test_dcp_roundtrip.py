@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import cairn
 import cairn.dcp as cdcp
+from cairn import _dcp_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -231,7 +232,7 @@ def test_latest_valid_and_list(tmp_path):
 
 def test_stock_checkpoints_are_delegated(tmp_path):
     # A directory written by stock dcp.save: cairn.Reader hands it to
-    # cairn._stock.StockReader, end to end.
+    # cairn._stock_reader.StockReader, end to end.
     sd = {"w": torch.randn(5, 5), "n": 7}
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "stock"))
     out = {"w": torch.zeros(5, 5), "n": 0}
@@ -244,11 +245,11 @@ def test_stock_checkpoints_are_delegated(tmp_path):
 
 def test_planner_data_round_trips_with_types():
     value = {"a.b": ("a", "b"), "l.0": ("l", 0), "x": [1, (2, 3)], 5: None}
-    encoded = cdcp._encode(value)
+    encoded = _dcp_metadata._encode(value)
     json.dumps(encoded)
-    assert cdcp._decode(json.loads(json.dumps(encoded))) == value
+    assert _dcp_metadata._decode(json.loads(json.dumps(encoded))) == value
     with pytest.raises(ValueError):
-        cdcp._encode({"a": object()})
+        _dcp_metadata._encode({"a": object()})
 
 
 def test_byte_range_of_read_regions():

@@ -186,7 +186,7 @@ out = {{}}
 st = {{"w": torch.zeros(2, 2048), "b": torch.zeros(10, dtype=torch.int64), "step": 0}}
 out["load"] = outcome(lambda: dcp.load(st, storage_reader=cairn.Reader({str(stock)!r})))
 out["meta"] = outcome(lambda: cairn.Reader({str(meta_fifo)!r}))
-from cairn import _stock
+from cairn import _stock_reader as _stock
 out["meta_direct"] = outcome(lambda: _stock.read_stock_metadata({str(meta_fifo)!r}))
 print(json.dumps(out))
 """

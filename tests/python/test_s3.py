@@ -149,7 +149,7 @@ def test_second_writer_of_a_step_cannot_commit_over_the_first(s3):
     # is refused, whatever it wrote before.
     ext = cairn._ext
     with pytest.raises(cairn.Error) as e:
-        ext.commit_manifest(root + "/step_1", ext.CheckpointReader(root + "/step_1").manifest_json())
+        ext.commit_manifest(root + "/step_1", ext.CheckpointReader(root + "/step_1").manifest())
     assert "already exists" in str(e.value)
     _load_equals(root + "/step_1", _state(1, mib=1))
 

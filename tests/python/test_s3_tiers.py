@@ -113,13 +113,13 @@ def test_manager_restore_falls_back_when_the_newest_s3_checkpoint_is_corrupt(s3,
     newest = cairn.latest_valid(root)
     assert newest.endswith("step_0000000002")
     # Flip a byte inside the first tensor stored in rank 1's data file.
-    manifest = json.loads(_ext.CheckpointReader(newest).manifest_json())
-    file_index = [f["key"] for f in manifest["files"]].index("data/r1.bin")
-    chunk = next(c for t in manifest["tensors"] for c in t["chunks"]
-                 if c["file"] == file_index and c["length"] > 0)
+    manifest = _ext.CheckpointReader(newest).manifest()
+    file_index = [f.key for f in manifest.files].index("data/r1.bin")
+    loc = next(c.location for t in manifest.tensors for c in t.chunks
+               if c.location.file == file_index and c.location.length > 0)
     key = f"{prefix}/step_0000000002/data/r1.bin"
     body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
-    body[chunk["offset"] + chunk["length"] // 2] ^= 0x01
+    body[loc.offset + loc.length // 2] ^= 0x01
     client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
     with pytest.raises(cairn.CorruptionError):
         cairn.verify(newest)

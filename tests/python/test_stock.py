@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import cairn
 import ckpt_backend
 import dcp_states
-from cairn._stock import StockReader, _decode_tensor, is_stock_checkpoint, read_stock_metadata
+from cairn._stock_reader import StockReader, _decode_tensor, is_stock_checkpoint, read_stock_metadata
 from gloo_harness import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -361,7 +361,7 @@ def test_randomly_damaged_items_decode_or_raise_corruption():
 
 
 def test_check_value_is_safe_accepts_plain_values_and_refuses_code():
-    from cairn._stock import check_value_is_safe
+    from cairn._stock_reader import check_value_is_safe
 
     for value in (3, 0.5, "s", [1, 2], {"a": (1, 2)}, torch.ones(2), None):
         buf = io.BytesIO()

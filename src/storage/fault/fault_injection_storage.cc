@@ -236,12 +236,14 @@ class FaultReadableFile final : public ReadableFile {
 
 FaultInjectionStorage::FaultInjectionStorage(std::unique_ptr<Storage> base,
                                              std::shared_ptr<FaultInjector> injector)
-    : owned_(std::move(base)),
-      base_(owned_.get()),
+    : StorageWrapper(std::move(base)),
+      base_(target()),
       injector_(injector ? std::move(injector) : std::make_shared<FaultInjector>()) {}
 
 FaultInjectionStorage::FaultInjectionStorage(Storage* base, std::shared_ptr<FaultInjector> injector)
-    : base_(base), injector_(injector ? std::move(injector) : std::make_shared<FaultInjector>()) {}
+    : StorageWrapper(base),
+      base_(base),
+      injector_(injector ? std::move(injector) : std::make_shared<FaultInjector>()) {}
 
 // Key validation comes first, as in every backend, so an invalid key is
 // rejected the same way with or without the wrapper.
@@ -316,8 +318,6 @@ Result<uint64_t> FaultInjectionStorage::FileSize(std::string_view key) {
   if (!d.status.ok()) return d.status;
   return base_->FileSize(key);
 }
-
-std::string FaultInjectionStorage::Describe() const { return base_->Describe(); }
 
 // ---- registry ----------------------------------------------------------------
 

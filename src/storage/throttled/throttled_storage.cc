@@ -1,6 +1,6 @@
 // ThrottledStorage: a Storage that behaves like a slow network mount, for
-// tests and benchmarks of the file cache (see NewThrottledStorage in
-// include/cairn/cache.h).
+// tests and benchmarks of the file cache (NewThrottledStorage and the
+// slow:// scheme of OpenStorage, include/cairn/storage.h), a StorageWrapper.
 //
 // Latency is per operation and overlaps across threads and processes (a
 // network mount serves many requests at once). Bandwidth is one shared pipe:
@@ -18,7 +18,7 @@
 #include <cstdlib>
 #include <thread>
 
-#include "cairn/cache.h"
+#include "cairn/storage.h"
 
 namespace cairn {
 namespace {
@@ -98,55 +98,45 @@ class ThrottledReadableFile final : public ReadableFile {
   std::shared_ptr<SharedRate> rate_;
 };
 
-class ThrottledStorage final : public Storage {
+// Latency on every call that costs a round trip on a network mount (opens,
+// renames, listings, stats) and the shared bandwidth cap on reads; every
+// other call is StorageWrapper's forwarding. Describe() and LocalPath() are
+// the base's: the cache of a throttled source is the cache of its base.
+class ThrottledStorage final : public StorageWrapper {
  public:
   ThrottledStorage(std::unique_ptr<Storage> base, double latency_s,
                    std::shared_ptr<SharedRate> rate)
-      : base_(std::move(base)), latency_s_(latency_s), rate_(std::move(rate)) {}
+      : StorageWrapper(std::move(base)), latency_s_(latency_s), rate_(std::move(rate)) {}
 
   Result<std::unique_ptr<WritableFile>> NewWritableFile(std::string_view key,
                                                         const WriteOptions& opts) override {
     SleepSeconds(latency_s_);
-    return base_->NewWritableFile(key, opts);
+    return target()->NewWritableFile(key, opts);
   }
   Result<std::unique_ptr<ReadableFile>> NewReadableFile(std::string_view key,
                                                         const ReadOptions& opts) override {
     SleepSeconds(latency_s_);
-    CAIRN_ASSIGN_OR_RETURN(auto f, base_->NewReadableFile(key, opts));
+    CAIRN_ASSIGN_OR_RETURN(auto f, target()->NewReadableFile(key, opts));
     return std::unique_ptr<ReadableFile>(new ThrottledReadableFile(std::move(f), rate_));
   }
   Status Rename(std::string_view from, std::string_view to) override {
     SleepSeconds(latency_s_);
-    return base_->Rename(from, to);
+    return target()->Rename(from, to);
   }
-  Status SyncDir(std::string_view dir) override { return base_->SyncDir(dir); }
-  Status PutAtomic(std::string_view key, std::string_view data, bool if_absent) override {
-    return base_->PutAtomic(key, data, if_absent);
-  }
-  Status AbortStaleUploads(std::string_view dir, double older_than_s, size_t* aborted) override {
-    return base_->AbortStaleUploads(dir, older_than_s, aborted);
-  }
-  Status CreateDir(std::string_view dir) override { return base_->CreateDir(dir); }
-  Status DeleteFile(std::string_view key) override { return base_->DeleteFile(key); }
-  Status DeleteDir(std::string_view dir) override { return base_->DeleteDir(dir); }
   Result<std::vector<DirEntry>> List(std::string_view dir) override {
     SleepSeconds(latency_s_);
-    return base_->List(dir);
+    return target()->List(dir);
   }
   Result<bool> Exists(std::string_view key) override {
     SleepSeconds(latency_s_);
-    return base_->Exists(key);
+    return target()->Exists(key);
   }
   Result<uint64_t> FileSize(std::string_view key) override {
     SleepSeconds(latency_s_);
-    return base_->FileSize(key);
+    return target()->FileSize(key);
   }
-  // Transparent: the cache of a throttled source is the cache of its base.
-  std::string Describe() const override { return base_->Describe(); }
-  std::string LocalPath() const override { return base_->LocalPath(); }
 
  private:
-  std::unique_ptr<Storage> base_;
   double latency_s_;
   std::shared_ptr<SharedRate> rate_;
 };
@@ -181,9 +171,11 @@ Result<std::unique_ptr<Storage>> NewThrottledStorage(std::unique_ptr<Storage> ba
   return std::unique_ptr<Storage>(new ThrottledStorage(std::move(base), latency_s, rate));
 }
 
-Result<std::unique_ptr<Storage>> OpenSourceStorage(std::string_view uri) {
+Result<std::unique_ptr<Storage>> OpenThrottledStorage(std::string_view uri) {
   constexpr std::string_view kSlow = "slow://";
-  if (uri.substr(0, kSlow.size()) != kSlow) return OpenStorage(uri, /*create=*/false);
+  if (uri.substr(0, kSlow.size()) != kSlow) {
+    return InvalidArgumentError("not a slow:// URI: " + std::string(uri));
+  }
   std::string_view rest = uri.substr(kSlow.size());
   std::string_view path = rest.substr(0, rest.find('?'));
   std::string_view query =
