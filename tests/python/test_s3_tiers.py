@@ -4,7 +4,6 @@ DataLoader workers."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import uuid
