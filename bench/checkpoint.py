@@ -349,6 +349,12 @@ def _manager(ctx: Context) -> "cairn.CheckpointManager":
         mgr = ctx.sessions["manager"] = cairn.CheckpointManager(
             ctx.scratch / "manager", memory=True, keep=1)
         ctx.closers.append(mgr.close)
+        # A run starts with restore() (nothing to restore here), which pre-faults the
+        # first save's shared memory in the background while the first training steps
+        # run; wait() stands for those steps.
+        if mgr.restore(ctx.state) is not None:
+            raise RuntimeError("a fresh manager root restored something")
+        mgr.wait()
     return mgr
 
 
