@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 import cairn
 from gloo_harness import run_ranks
+from test_s3 import moto, s3  # noqa: F401 - fixtures: a moto server, a bucket prefix
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -126,3 +127,12 @@ def test_tier_choice_with_a_manager_root(tmp_path):
     # The memory tier ends with the manager: nothing left to drill there.
     r = drill(str(root), "--tier", "memory")
     assert r.returncode == 2 and "memory tier" in r.stderr
+
+
+def test_s3_checkpoint_restores_on_two_ranks(s3):  # noqa: F811 - the fixture
+    root = s3[0]
+    dcp.save(state(6), storage_writer=cairn.Writer(root + "/step_6"))
+    r = drill(root, "--world-size", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    rep = report(r.stdout)
+    assert rep["checkpoint"] == root + "/step_6" and rep["tensors"] == 2
