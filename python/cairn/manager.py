@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
@@ -67,7 +66,7 @@ from torch.futures import Future
 
 from cairn import _chaos, _ext, _memory_budget, _pools
 from cairn._staging import SlotStager, byte_source, staged_nbytes
-from cairn.dcp import Reader, _Location, _manifest_body
+from cairn.dcp import Reader, _Location, _manifest_body, value_bytes
 from cairn.errors import CorruptionError, Error, InvalidArgumentError, TimeoutError
 from cairn.state import RNGState
 
@@ -145,12 +144,10 @@ class _StagingWriter(StorageWriter):
         key = _ext.data_file_key(mgr.rank)
         sources = []  # tensors, or uint8 arrays over BYTE_IO values
         for item in plan.items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                sources.append(byte_source(data.getbuffer() if isinstance(data, io.BytesIO)
-                                           else data))
+            if item.type == WriteItemType.BYTE_IO:  # native encoding where it has one
+                sources.append(byte_source(value_bytes(planner, item)))
             else:
-                sources.append(data.detach())
+                sources.append(planner.resolve_data(item).detach())
         # Room for the slot on this node, checked before anything in it changes.
         mgr._budget.check(self.slot, int(_ext.staged_bytes([staged_nbytes(s) for s in sources])))
         # The slot may still hold an older memory-tier checkpoint: uncommit it before
