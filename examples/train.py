@@ -12,6 +12,21 @@ practical PyTorch guide:
                 whose blocking part is only the staging copy; the run resumes by itself
                 under `torchrun --max-restarts N` after a worker dies.
 
+What it measures (printed at the end, and as JSON with --metrics FILE):
+  throughput    tokens/s and samples/s over the steps after --warmup steps (all ranks
+                together); with --compile, the compile time (the first steps' excess
+                over a steady step) is reported apart and excluded
+  correctness   with --compile, a gate first: eager and compiled copies of the model
+                (dropout off) train --gate-steps steps on the same batches, and every
+                loss must agree within rtol 1e-3 (fp32) / 2e-2 (--amp bf16), else exit 3
+  checkpoint    the blocking time of every mgr.save() as a % of the training time of
+                the measured steps (target <= 2% at --ckpt-every 10; try --ckpt-every 1)
+  profile       --profile DIR also writes the top operators (DIR/top_ops.txt) and a
+                memory profile (DIR/memory.txt, and DIR/memory_timeline.json where
+                torch can export it) next to the trace
+Options of the guide's steps: --amp bf16 (autocast), --grad-accum N (N micro-batches
+per optimizer step; DDP's no_sync() on all but the last).
+
 Exactness: with --deterministic (the default) a run that is killed and resumed ends
 with bit-for-bit the parameters of an uninterrupted run, and consumes the same
 sequence of samples. `--crash-at-step N` kills rank `--crash-rank` with SIGKILL at
@@ -60,7 +75,60 @@ def parse_args(argv=None):
     p.add_argument("--crash-rank", type=int, default=0)
     p.add_argument("--out", help="write final parameters (rank 0) to this file")
     p.add_argument("--sample-log", help="append consumed sample ids (per rank) to this file")
-    return p.parse_args(argv)
+    p.add_argument("--amp", choices=["none", "bf16"], default="none",
+                   help="autocast the forward pass to bfloat16")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per optimizer step (DDP no_sync on all but the last)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="steps excluded from the throughput figures")
+    p.add_argument("--gate-steps", type=int, default=3,
+                   help="steps of the compiled-vs-eager gate (with --compile; 0: skip)")
+    p.add_argument("--metrics", help="write the measured figures (rank 0) as JSON here")
+    args = p.parse_args(argv)
+    if args.grad_accum < 1 or args.warmup < 0 or args.gate_steps < 0:
+        p.error("--grad-accum must be >= 1, --warmup and --gate-steps >= 0")
+    return args
+
+
+GATE_RTOL = {"none": 1e-3, "bf16": 2e-2}
+
+
+def autocast(device: torch.device, amp: str):
+    import contextlib
+
+    if amp == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def compile_gate(args, device: torch.device) -> list[tuple[float, float]]:
+    """Trains an eager and a compiled copy of the same model (dropout off, so both
+    see the same function) on the same batches; returns their losses per step.
+    Runs under fork_rng, so the run's own random streams are untouched."""
+    import copy
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed + 1)
+        eager = GPT(d=args.d_model, layers=args.layers, seq_len=args.seq_len,
+                    dropout=0.0).to(device)
+        compiled_model = copy.deepcopy(eager)
+        compiled = torch.compile(compiled_model)
+        opts = [torch.optim.AdamW(m.parameters(), lr=args.lr) for m in (eager, compiled_model)]
+        g = torch.Generator().manual_seed(args.seed + 2)
+        losses = []
+        for _ in range(args.gate_steps):
+            batch = torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=g)
+            batch = batch.to(device)
+            pair = []
+            for fn, opt in zip((eager, compiled), opts):
+                with autocast(device, args.amp):
+                    loss = fn(batch[:, :-1], batch[:, 1:])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                pair.append(float(loss.detach()))
+            losses.append((pair[0], pair[1]))
+    return losses
 
 
 def setup_distributed(mode: str) -> tuple[int, int]:
@@ -100,6 +168,45 @@ class TokenShards:
             yield shard * 1_000_000 + i, windows[i]
 
 
+def measure(args, world, step_times, ckpt_times, first_step_s, gate) -> dict:
+    """Throughput after warm-up, compile time apart, checkpoint overhead."""
+    import statistics
+
+    out: dict = {"steps": len(step_times), "warmup": args.warmup, "world_size": world,
+                 "amp": args.amp, "grad_accum": args.grad_accum, "compile": args.compile,
+                 "ckpt_every": args.ckpt_every}
+    measured = step_times[args.warmup:]
+    if measured:
+        secs = sum(measured)
+        samples = len(measured) * args.batch_size * args.grad_accum * world
+        out.update(median_step_s=statistics.median(measured), samples_per_s=samples / secs,
+                   tokens_per_s=samples * args.seq_len / secs)
+        if args.compile and first_step_s is not None:
+            out["compile_s"] = max(0.0, first_step_s - statistics.median(measured))
+    # Over the measured steps (after warm-up and compilation): blocking save time / step time.
+    saves = [secs for n, secs in ckpt_times if n > args.warmup]
+    if saves and measured:
+        out.update(ckpt_saves=len(saves), ckpt_median_s=statistics.median(saves),
+                   ckpt_overhead_pct=100.0 * sum(saves) / sum(measured))
+    if gate is not None:
+        out["compile_gate"] = {"losses": gate, "rtol": GATE_RTOL[args.amp]}
+    return out
+
+
+def write_profile_tables(prof, out_dir: str) -> None:
+    """The top operators and a memory profile, next to the trace."""
+    avg = prof.key_averages()
+    with open(os.path.join(out_dir, "top_ops.txt"), "w") as f:
+        f.write(avg.table(sort_by="self_cpu_time_total", row_limit=20) + "\n")
+    with open(os.path.join(out_dir, "memory.txt"), "w") as f:
+        f.write(avg.table(sort_by="self_cpu_memory_usage", row_limit=20) + "\n")
+    try:
+        prof.export_memory_timeline(os.path.join(out_dir, "memory_timeline.json"))
+    except Exception as e:  # noqa: BLE001 - needs with_stack/record_shapes, not on every build
+        print(f"[train] memory timeline not exported: {e}", flush=True)
+    print(avg.table(sort_by="self_cpu_time_total", row_limit=10), flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank, world = setup_distributed(args.dist)
@@ -127,6 +234,17 @@ def main(argv=None) -> int:
     model = wrap_model(model, mode, world)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_lr(s, args.steps))
+    gate = None
+    if args.compile and args.gate_steps:
+        rtol = GATE_RTOL[args.amp]
+        gate = compile_gate(args, device)
+        bad = [(i, e, c) for i, (e, c) in enumerate(gate) if abs(e - c) > rtol * abs(e) + 1e-6]
+        if rank == 0:
+            print(f"[train] compile gate: {len(gate)} steps, eager vs compiled losses "
+                  + ", ".join(f"{e:.5f}/{c:.5f}" for e, c in gate)
+                  + f" (rtol {rtol}): {'FAILED' if bad else 'ok'}", flush=True)
+        if bad:
+            return 3
     fwd = torch.compile(model) if args.compile else model
 
     # ---- checkpointing --------------------------------------------------------------
@@ -147,37 +265,67 @@ def main(argv=None) -> int:
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         prof = profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
-                       on_trace_ready=tensorboard_trace_handler(args.profile), record_shapes=True)
+                       on_trace_ready=tensorboard_trace_handler(args.profile), record_shapes=True,
+                       profile_memory=True, with_stack=True)
         prof.start()
 
     sample_log = open(args.sample_log, "a") if args.sample_log else None
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     epoch = loader.epoch
     it = iter(loader)
+
+    def next_batch():
+        nonlocal epoch, it
+        while True:
+            try:
+                return next(it)
+            except StopIteration:
+                epoch += 1
+                loader.set_epoch(epoch)
+                it = iter(loader)
+
+    import contextlib
+
+    step_times: list[float] = []  # seconds per optimizer step (checkpoint excluded)
+    ckpt_times: list[tuple[int, float]] = []  # (steps run so far, blocking s of mgr.save())
+    first_step_s = None
     t0 = time.perf_counter()
     while step < args.steps:
-        try:
-            ids, batch = next(it)
-        except StopIteration:
-            epoch += 1
-            loader.set_epoch(epoch)
-            it = iter(loader)
-            continue
-        batch = batch.to(device)
-        loss = fwd(batch[:, :-1], batch[:, 1:])
+        ts = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        consumed = []
+        for micro in range(args.grad_accum):
+            ids, batch = next_batch()
+            batch = batch.to(device)
+            last = micro == args.grad_accum - 1
+            # DDP: no gradient all-reduce on the accumulation steps, only the last.
+            sync = (contextlib.nullcontext() if last or not hasattr(model, "no_sync")
+                    else model.no_sync())
+            with sync:
+                with autocast(device, args.amp):
+                    loss = fwd(batch[:, :-1], batch[:, 1:])
+                (loss / args.grad_accum).backward()
+            consumed.append(ids)
         opt.step()
         sched.step()
         step += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_s = time.perf_counter() - ts
+        if first_step_s is None:
+            first_step_s = step_s
+        step_times.append(step_s)
         chaos_point("train")  # the chaos harness may kill here (tests/chaos/)
         if sample_log:
-            sample_log.write(f"{rank} {step} {' '.join(map(str, ids.tolist()))}\n")
+            for ids in consumed:
+                sample_log.write(f"{rank} {step} {' '.join(map(str, ids.tolist()))}\n")
             sample_log.flush()
         if prof is not None:
             prof.step()
         if step % args.ckpt_every == 0 or step == args.steps:
+            tc = time.perf_counter()
             mgr.save(step, state)
+            ckpt_times.append((len(step_times), time.perf_counter() - tc))
         if step == args.crash_at_step and rank == args.crash_rank and restarts == 0:
             print(f"[train] rank {rank}: simulated crash (SIGKILL) at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -191,10 +339,27 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"[train] profiler trace in {args.profile} (open in TensorBoard or "
                   "chrome://tracing / Perfetto)", flush=True)
+    if prof is not None and rank == 0:
+        write_profile_tables(prof, args.profile)
     stats = mgr.stats() if hasattr(mgr, "stats") else {}
+    metrics = measure(args, world, step_times, ckpt_times, first_step_s, gate)
     if rank == 0:
         print(f"[train] done: {step} steps in {elapsed:.1f}s; checkpoints: "
               f"{json.dumps(stats)}", flush=True)
+        if metrics.get("tokens_per_s") is not None:
+            print(f"[train] throughput after {metrics['warmup']} warm-up steps: "
+                  f"{metrics['tokens_per_s']:.0f} tokens/s, {metrics['samples_per_s']:.1f} "
+                  f"samples/s ({metrics['median_step_s'] * 1e3:.1f} ms/step)"
+                  + (f"; compile {metrics['compile_s']:.1f}s, excluded"
+                     if metrics.get("compile_s") is not None else ""), flush=True)
+        if metrics.get("ckpt_overhead_pct") is not None:
+            print(f"[train] checkpoint overhead: {metrics['ckpt_overhead_pct']:.2f}% of step "
+                  f"time ({metrics['ckpt_saves']} saves every {args.ckpt_every} steps, "
+                  f"median blocking {metrics['ckpt_median_s'] * 1e3:.1f} ms; target <= 2% "
+                  "at every 10 steps)", flush=True)
+        if args.metrics:
+            with open(args.metrics, "w") as f:
+                json.dump(metrics, f, indent=2)
     if args.out:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

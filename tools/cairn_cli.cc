@@ -8,6 +8,15 @@
 //                           (and aborts stale unfinished S3 uploads)
 //   cairn ls --memory       this node's memory tiers: size, step, run root, owner
 //   cairn gc                deletes orphaned memory tiers (memory_commands.cc)
+//   cairn drill ROOT        restore drill: loads the newest checkpoint in fresh torch
+//                           processes and verifies it (python -m cairn.drill)
+//   cairn bench PATH        quick checkpoint benchmark of PATH's storage
+//                           (python -m cairn.bench)
+//
+// drill and bench need torch, so they are Python modules: the CLI execs the Python
+// interpreter that has cairn installed: $CAIRN_PYTHON if set, else the `python3`
+// next to this executable (a virtual environment's bin/, where pip installs
+// `cairn`), else `python3` on PATH. Their arguments are passed through unchanged.
 //
 // PATH/ROOT are directories, file://DIR, shm://NAME or s3://BUCKET/PREFIX. Exit codes: 0 ok,
 // 1 corruption or failure, 2 usage or not found.
@@ -16,12 +25,16 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "cairn/checkpoint.h"
 #include "cairn/memory_tier.h"
@@ -202,11 +215,52 @@ int CmdPrune(const std::string& root, uint64_t keep, bool partials, bool dry_run
   return 0;
 }
 
+// Replaces this process with `PYTHON -m MODULE ARGS...` (see the header comment).
+int ExecPythonModule(const char* argv0, const std::string& module,
+                     const std::vector<std::string>& args) {
+  std::string python;
+  if (const char* env = std::getenv("CAIRN_PYTHON"); env != nullptr && *env != '\0') {
+    python = env;
+  } else {
+    char self[4096];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+    std::string dir = n > 0 ? std::string(self, static_cast<size_t>(n)) : std::string(argv0);
+    dir = dir.substr(0, dir.find_last_of('/') == std::string::npos ? 0 : dir.find_last_of('/'));
+    std::string sibling = (dir.empty() ? "." : dir) + "/python3";
+    python = access(sibling.c_str(), X_OK) == 0 ? sibling : "python3";
+  }
+  std::vector<std::string> all = {python, "-m", module};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> cargv;
+  for (auto& a : all) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  execvp(python.c_str(), cargv.data());
+  std::fprintf(stderr, "cairn: cannot run %s -m %s: %s (set CAIRN_PYTHON)\n", python.c_str(),
+               module.c_str(), std::strerror(errno));
+  return 2;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"cairn: inspect, verify, copy and prune cairn checkpoints"};
+  // drill and bench are Python modules: everything after the subcommand is theirs.
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "drill" || a == "bench") {
+      return ExecPythonModule(argv[0], "cairn." + a,
+                              std::vector<std::string>(argv + i + 1, argv + argc));
+    }
+    if (a.empty() || a[0] != '-') break;  // another subcommand
+    if (a == "-j" || a == "--threads") ++i;
+  }
+  CLI::App app{
+      "cairn: inspect, verify, copy and prune cairn checkpoints; drill and bench (Python)"};
   app.require_subcommand(1);
+  // Listed for --help only: main() hands them to Python before parsing.
+  app.add_subcommand("drill", "restore drill in fresh processes (cairn drill --help)")
+      ->allow_extras();
+  app.add_subcommand("bench", "quick checkpoint benchmark of a storage (cairn bench --help)")
+      ->allow_extras();
   size_t threads = cairn::DefaultThreadCount(cairn::PoolKind::kIo);
   app.add_option("-j,--threads", threads, "I/O threads")->check(CLI::Range(1, 256));
 

@@ -31,6 +31,7 @@ A path without a cairn manifest that holds a checkpoint written by stock
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import io
 import json
@@ -156,6 +157,142 @@ def _check_serialization_format(fmt: Any) -> None:
             "tensor bytes described by the cairn manifest (docs/format.md); use "
             "SerializationFormat.TORCH_SAVE (the default) or keep FileSystemWriter"
         )
+
+
+# ---- non-tensor values: a native encoding -------------------------------------------
+#
+# DCP's planner hands a storage writer every non-tensor value as torch.save (pickle)
+# bytes, and loads them back with torch.load(weights_only=False). cairn stores a
+# value made only of None, bool, int, float, str, bytes, lists, tuples, dicts and
+# NumPy arrays/scalars (e.g. the RNG dict {"python": random.getstate(), "numpy":
+# np.random.get_state(), ...}) natively instead: VALUE_MAGIC, then UTF-8 JSON with
+# tagged tuples, dicts, bytes and arrays (dtype, shape, base64 of the raw bytes).
+# Loading it needs no unpickler at all; any other value keeps DCP's pickle bytes,
+# checked by the safe unpickler on load (cairn._stock_reader.check_value_is_safe).
+
+VALUE_MAGIC = b"\x00cairn-value-v1\n"
+
+
+class _NotNative(Exception):
+    pass
+
+
+def _value_to_json(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int) and type(v) is int:
+        return v
+    if isinstance(v, float) and type(v) is float:
+        return v if v == v and v not in (float("inf"), float("-inf")) else {"__float__": repr(v)}
+    if type(v) is list:
+        return [_value_to_json(x) for x in v]
+    if type(v) is tuple:
+        return {"__tuple__": [_value_to_json(x) for x in v]}
+    if type(v) is dict:
+        return {"__dict__": [[_value_to_json(k), _value_to_json(x)] for k, x in v.items()]}
+    if type(v) is bytes:
+        return {"__bytes__": base64.b64encode(v).decode()}
+    if isinstance(v, (np.ndarray, np.generic)) and type(v) in (np.ndarray,) + tuple(
+            np.sctypeDict.values()):
+        a = np.asarray(v)
+        if a.dtype.hasobject or a.dtype.fields is not None:
+            raise _NotNative
+        tag = "__ndarray__" if isinstance(v, np.ndarray) else "__npscalar__"
+        return {tag: {"dtype": a.dtype.str, "shape": list(a.shape),
+                      "data": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()}}
+    raise _NotNative
+
+
+def encode_value(value: Any) -> bytes | None:
+    """The native encoding of a non-tensor value, or None when it holds a type the
+    encoding does not cover (it is then stored as DCP's pickle bytes)."""
+    try:
+        body = json.dumps(_value_to_json(value), separators=(",", ":"), allow_nan=False)
+    except (_NotNative, ValueError, TypeError, RecursionError):
+        return None
+    return VALUE_MAGIC + body.encode()
+
+
+def _value_from_json(v: Any, where: str) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, list):
+        return [_value_from_json(x, where) for x in v]
+    if not isinstance(v, dict) or len(v) != 1:
+        raise CorruptionError(f"{where}: malformed stored value")
+    (tag, body), = v.items()
+    if tag == "__tuple__" and isinstance(body, list):
+        return tuple(_value_from_json(x, where) for x in body)
+    if tag == "__dict__" and isinstance(body, list):
+        out = {}
+        for pair in body:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise CorruptionError(f"{where}: malformed stored dict")
+            key = _value_from_json(pair[0], where)
+            if isinstance(key, (list, dict)):
+                raise CorruptionError(f"{where}: unhashable key in a stored dict")
+            out[key] = _value_from_json(pair[1], where)
+        return out
+    if tag == "__float__" and body in ("nan", "inf", "-inf"):
+        return float(body)
+    if tag == "__bytes__" and isinstance(body, str):
+        return base64.b64decode(body, validate=True)
+    if tag in ("__ndarray__", "__npscalar__") and isinstance(body, dict):
+        try:
+            dtype = np.dtype(str(body["dtype"]))
+            shape = tuple(int(n) for n in body["shape"])
+            raw = base64.b64decode(body["data"], validate=True)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptionError(f"{where}: malformed stored array ({e})") from None
+        if dtype.hasobject or dtype.fields is not None or any(n < 0 for n in shape) or (
+                int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != len(raw)):
+            raise CorruptionError(f"{where}: malformed stored array")
+        a = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+        return a if tag == "__ndarray__" else a[()]
+    raise CorruptionError(f"{where}: malformed stored value")
+
+
+def decode_value(data: bytes, where: str) -> Any:
+    """The value stored by encode_value (never unpickles)."""
+    try:
+        body = json.loads(data[len(VALUE_MAGIC):].decode())
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptionError(f"{where}: malformed stored value ({e})") from None
+    try:
+        return _value_from_json(body, where)
+    except RecursionError:
+        raise CorruptionError(f"{where}: stored value nested too deeply") from None
+
+
+def value_bytes(planner: SavePlanner, item: Any) -> Any:
+    """What a writer stores for the BYTE_IO write `item`: the native encoding of
+    its value where it has one, else the planner's pickle bytes."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is not None:
+        try:
+            native = encode_value(lookup(item.index))
+        except Exception:  # noqa: BLE001 - a planner without the object: pickle bytes
+            native = None
+        if native is not None:
+            return native
+    data = planner.resolve_data(item)
+    return data.getbuffer() if isinstance(data, io.BytesIO) else data
+
+
+def load_value_bytes(planner: LoadPlanner, ri: Any, data: bytes, where: str,
+                     allow_pickle: bool) -> None:
+    """Hands a stored non-tensor value to the planner (which torch.loads what it
+    gets): a native value is decoded and re-pickled here, from types the decoder
+    alone produced; pickle bytes must pass the safe unpickler first."""
+    if data.startswith(VALUE_MAGIC):
+        buf = io.BytesIO()
+        torch.save(decode_value(data, where), buf)
+        buf.seek(0)
+        planner.load_bytes(ri, buf)
+        return
+    if not allow_pickle:
+        check_value_is_safe(data, where)
+    planner.load_bytes(ri, io.BytesIO(data))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,15 +479,12 @@ class Writer(StorageWriter):
         keep_alive: list[Any] = []
         buffers: list[tuple[int, int]] = []
         for item in plan.items:
-            data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                if isinstance(data, io.BytesIO):
-                    data = data.getbuffer()
-                arr = np.frombuffer(data, dtype=np.uint8)
+                arr = np.frombuffer(value_bytes(planner, item), dtype=np.uint8)
                 keep_alive.append(arr)
                 buffers.append((arr.ctypes.data, arr.nbytes))
             else:
-                t = data.detach()
+                t = planner.resolve_data(item).detach()
                 dtype_name(t.dtype)  # refuse unstorable dtypes before writing anything
                 if t.device.type != "cpu":
                     t = t.cpu()
@@ -669,10 +803,8 @@ class Reader(StorageReader):
         self._reader.read(requests, self._thread_pool())
 
         for ri, buf in byte_reads:
-            data = buf.tobytes()
-            if not self.allow_pickle:
-                check_value_is_safe(data, f"{self.path}: value '{ri.storage_index.fqn}'")
-            planner.load_bytes(ri, io.BytesIO(data))
+            load_value_bytes(planner, ri, buf.tobytes(),
+                             f"{self.path}: value '{ri.storage_index.fqn}'", self.allow_pickle)
         for ri, dest in in_place:
             planner.commit_tensor(ri, dest)
         for ri, dest, src in copies:

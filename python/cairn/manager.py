@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
+import json
 import logging
 import os
 import shutil
@@ -58,6 +58,7 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
@@ -68,7 +69,7 @@ from torch.futures import Future
 from cairn import _chaos, _ext, _memory_budget, _pools
 from cairn._staging import SlotStager, byte_source, staged_nbytes
 from cairn._dcp_metadata import Location, manifest_extra, manifest_from_metadata
-from cairn.dcp import Reader
+from cairn.dcp import Reader, value_bytes
 from cairn.errors import CorruptionError, Error, InvalidArgumentError, TimeoutError
 from cairn.state import RNGState
 
@@ -85,6 +86,22 @@ def _step_dir(step: int) -> str:
 
 def _join(uri: str, name: str) -> str:
     return uri.rstrip("/") + "/" + name
+
+
+def _state_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a state (Statefuls through their state_dict())."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if hasattr(obj, "state_dict") and callable(obj.state_dict) and not isinstance(obj, dict):
+        try:
+            obj = obj.state_dict()
+        except Exception:  # noqa: BLE001 - sizing is a hint only
+            return []
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _state_tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _state_tensors(v)]
+    return []
 
 
 def memory_tier_name(root: str) -> str:
@@ -134,12 +151,10 @@ class _StagingWriter(StorageWriter):
         key = _ext.data_file_key(mgr.rank)
         sources = []  # tensors, or uint8 arrays over BYTE_IO values
         for item in plan.items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                sources.append(byte_source(data.getbuffer() if isinstance(data, io.BytesIO)
-                                           else data))
+            if item.type == WriteItemType.BYTE_IO:  # native encoding where it has one
+                sources.append(byte_source(value_bytes(planner, item)))
             else:
-                sources.append(data.detach())
+                sources.append(planner.resolve_data(item).detach())
         # Room for the slot on this node, checked before anything in it changes.
         mgr._budget.check(self.slot, int(_ext.staged_bytes([staged_nbytes(s) for s in sources])))
         # The slot may still hold an older memory-tier checkpoint: uncommit it before
@@ -269,6 +284,8 @@ class CheckpointManager:
         self._saves = 0
         self._history: list[dict[str, Any]] = []
         self._slot_held: int | None = None
+        # Creates and pre-faults the next save's slot in the background (prepare()).
+        self._prefault_thread: threading.Thread | None = None
         # (step, tier) of the last successful restore(), e.g. (20, "memory").
         self.restored: tuple[int, str] | None = None
 
@@ -448,7 +465,7 @@ class CheckpointManager:
             raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
         if not isinstance(state, dict):
             raise InvalidArgumentError("state must be a dict of tensors and Statefuls")
-        self.wait()
+        self.wait()  # the save in flight, and prepare()'s pre-faulting
         self._saves += 1
         goes_durable = durable if durable is not None else (self._saves % self.durable_every == 0)
         slot = self._next_slot
@@ -592,7 +609,14 @@ class CheckpointManager:
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until the save in flight is persisted; raises its error, if any, or
-        cairn.TimeoutError after `timeout` seconds (default: the manager's)."""
+        cairn.TimeoutError after `timeout` seconds (default: the manager's). Also
+        waits for the shared memory that prepare() is pre-faulting."""
+        if self._prefault_thread is not None:
+            self._prefault_thread.join(self.timeout if timeout is None else timeout)
+            if self._prefault_thread.is_alive():
+                raise TimeoutError("shared memory still being pre-faulted after "
+                                   f"{self.timeout if timeout is None else timeout:.0f}s")
+            self._prefault_thread = None
         rec = self._inflight
         if rec is not None:
             assert rec.thread is not None
@@ -729,6 +753,7 @@ class CheckpointManager:
         everyone = self._gather(sorted({(s, t) for s, t, _ in mine}))
         common = set.intersection(*({s for s, _ in c} for c in everyone)) if everyone else set()
         if not common:
+            self.prepare(state)
             return None
         bad: set[tuple[int, str]] = set()
         failures = []
@@ -764,10 +789,59 @@ class CheckpointManager:
                     self.restored = (step, choice[1])
                     if choice[1] == "memory":
                         _memory_budget.mark_restored(self._lease)
+                    self.prepare(state, nbytes=self._restored_bytes(reader))
                     return step
                 bad.add((step, choice[1]))
                 failures.append(f"step {step} ({choice[1]}): {err or 'failed on another rank'}")
         raise CorruptionError("no checkpoint could be restored: " + "; ".join(failures))
+
+    def _restored_bytes(self, reader: Reader) -> int | None:
+        """This rank's data-file size in the checkpoint just restored (what its next
+        save stages, if the state did not change), or None."""
+        try:
+            body = json.loads(reader._reader.manifest_json())
+            key = _ext.data_file_key(self.rank)
+            return next((int(f["size"]) for f in body.get("files", []) if f.get("key") == key),
+                        None)
+        except Exception:  # noqa: BLE001 - a sizing hint only
+            return None
+
+    def prepare(self, state: dict[str, Any], nbytes: int | None = None) -> None:
+        """Creates and pre-faults the shared memory of the next save of `state` in the
+        background, so that the first save stalls no longer than a steady one.
+
+        restore() calls it (whatever it restored, or when there was nothing); call it
+        yourself after building the state when you do not restore. The slot is sized
+        `nbytes`, by default this rank's data file in the checkpoint restore() just
+        loaded, else (one rank) the state's tensors; with several ranks and nothing
+        restored it does nothing, since which replicated tensors a rank stages is only
+        known at the save. A save whose state grew grows the slot then. The
+        next save(), wait() or close() waits for it; a failure (e.g. not enough shared
+        memory, or over ``memory_limit``) is only logged: the save then reports it.
+        This opens the staging pool, so a DataLoader forked after it inherits the slot
+        files (its workers exit with the trainer, see docs/memory.md)."""
+        self._check_open()
+        if not self.memory or self._prefault_thread is not None:
+            return
+        if nbytes is None:
+            if self.world > 1:
+                return
+            lengths = [t.numel() * t.element_size() for t in _state_tensors(state)]
+            nbytes = int(_ext.staged_bytes(lengths)) if lengths else 0
+        if nbytes <= 0:
+            return
+        slot = self._next_slot
+
+        def run() -> None:
+            try:
+                self._budget.check(slot, nbytes)
+                self._pool.acquire_slot(slot, nbytes)
+                self._pool.release(slot)
+            except BaseException as e:  # noqa: BLE001 - the save reports it
+                log.info("cairn: pre-faulting staging slot %d: %s", slot, e)
+
+        self._prefault_thread = threading.Thread(target=run, name="cairn-prefault", daemon=True)
+        self._prefault_thread.start()
 
     def _load(self, state: dict[str, Any], reader: Reader) -> None:
         keys = set(reader.read_metadata().state_dict_metadata)

@@ -43,7 +43,8 @@ def test_checkpoint_benchmark_runs_and_writes_json(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(out.read_text())
     assert result["meta"]["state_tensors"] >= 198
-    assert set(result["floors"]) == {"memcpy", "direct-I/O write", "direct-I/O read"}
+    assert set(result["floors"]) == {"memcpy", "Tensor.copy_", "direct-I/O write",
+                                     "direct-I/O read"}
     peers = result["peers"]
     assert set(peers) == {"torch.save", "dcp", "cairn", "dcp.async_save", "dcp.async_save+shm",
                           "cairn.manager"}
@@ -65,11 +66,32 @@ def test_checkpoint_benchmark_runs_and_writes_json(tmp_path):
     for op in ("restore memory", "restore disk (cold)"):
         assert peers["cairn.manager"][op]["median_s"] > 0
     for name in ("cairn_save_time / dcp_save_time", "cairn_save_bw / direct_write_bw",
-                 "manager_stall / dcp_async_save_stall", "manager_stall / memcpy_floor",
+                 "manager_stall / dcp_async_save_stall", "manager_stall / copy_floor",
+                 "manager_first_stall / steady_stall", "manager_restore_memory / copy_floor",
+                 "cairn_cold_load_bw / parallel_direct_read_bw",
                  "manager_peak_extra_mem / state", "manager_extra_mem_spread_over_saves / state",
                  "manager_restore_disk / restore_memory"):
         assert math.isfinite(result["ratios"][name]["value"]), name
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.json"]  # scratch removed
+
+
+def test_cairn_bench_prints_floors_figures_and_ratios(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "cairn.bench", str(tmp_path), "--size-gb", "0.005",
+         "--reps", "1", "--layers", "1", "--json"],
+        capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(r.stdout)
+    assert set(result["figures"]) == {"memcpy", "Tensor.copy_", "direct write",
+                                      "parallel direct read", "save", "load", "stall",
+                                      "memory restore"}
+    assert all(f["median_s"] > 0 for f in result["figures"].values())
+    assert set(result["ratios"]) == {"save / direct write", "load / parallel direct read",
+                                     "stall / copy floor", "first stall / steady stall",
+                                     "memory restore / copy floor"}
+    assert all(math.isfinite(x["value"]) for x in result["ratios"].values())
+    assert "rep 1/1: save" in r.stderr  # progress
+    assert list(tmp_path.iterdir()) == []  # scratch removed
 
 
 def test_demo_runs(tmp_path):

@@ -199,6 +199,9 @@ class CachedFileDataset(torch.utils.data.IterableDataset):
         if c is not None and c.world_size > 0:
             return c.snapshot()
         rank, ws = _partition.world()
+        # A stock DataLoader: its workers read the cache at once (this node's other
+        # ranks too, which are not known here).
+        _, nw = _partition.worker()
         return {
             "epoch": self._epoch,
             "start": self._start,
@@ -206,7 +209,8 @@ class CachedFileDataset(torch.utils.data.IterableDataset):
             "world_size": ws,
             "batch_size": 1,
             "pin_window": self.pin_window or 64,
-            "consumers": 1,
+            "consumers": max(1, nw),
+            "stock": True,
         }
 
     def __iter__(self):
@@ -225,13 +229,22 @@ class CachedFileDataset(torch.utils.data.IterableDataset):
         # file it waits for, or all could wait for room forever.
         fit = self.cache_limit // max(1, p["consumers"]) // max(1, max(self.sizes)) - 1
         if fit < pin_window:
-            if fit < 1:
-                warnings.warn(
-                    f"cairn.data: cache_limit {self.cache_limit} is too small for "
-                    f"{p['consumers']} concurrent readers of files up to {max(self.sizes)} "
-                    "bytes; readers may wait for room",
-                    stacklevel=2,
-                )
+            # Said up front, before the first file: later, a reader that cannot get
+            # room fails after its timeout with ResourceExhaustedError.
+            need = p["consumers"] * (pin_window + 1) * max(self.sizes)
+            warnings.warn(
+                f"cairn.data: cache_limit {self.cache_limit} holds fewer pins than "
+                f"{p['consumers']} concurrent reader(s) with a pin window of {pin_window} "
+                f"need (files up to {max(self.sizes)} bytes: about {need} bytes); "
+                + ("readers may wait for room and fail with ResourceExhaustedError"
+                   if fit < 1 else f"the pin window is shrunk to {fit}, so open each "
+                   "path within that many items")
+                + (" (a stock torch DataLoader prefetches prefetch_factor x num_workers "
+                   "batches: use cairn.data.DataLoader, or a larger cache_limit)"
+                   if p.get("stock") else ""),
+                RuntimeWarning,
+                stacklevel=2,
+            )
             pin_window = max(1, fit)
         eng = self.engine(p["consumers"])
         eng.set_plan(order, next_order, np.ascontiguousarray(positions, dtype=np.int64))
