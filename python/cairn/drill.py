@@ -41,8 +41,9 @@ import time
 from typing import Any
 
 from cairn import _ext
-from cairn.checkpoint import latest_valid
+from cairn.discovery import latest_valid
 from cairn.errors import Error, NotFoundError
+from cairn._dcp_metadata import manifest_extra
 
 _TIERS = ("memory", "local", "durable")
 
@@ -75,10 +76,10 @@ def _newest_memory_slot(root: str) -> str | None:
             continue
         uri = _join(tier, e["name"])
         try:
-            body = json.loads(_ext.CheckpointReader(uri).manifest_json())
+            extra = manifest_extra(_ext.CheckpointReader(uri).manifest())
         except Error:
             continue
-        manager = body.get("extra", {}).get("manager", {})
+        manager = extra.get("manager", {})
         step = manager.get("step")
         if not isinstance(step, int) or (run_id is not None and manager.get("run_id") != run_id):
             continue
@@ -201,7 +202,7 @@ def drill(root: str, world_size: int = 1, tier: str | None = None, local: str | 
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     t0 = time.perf_counter()
     uri, source = pick_checkpoint(root, tier, local)
-    saved_world = json.loads(_ext.CheckpointReader(uri).manifest_json()).get("world_size")
+    saved_world = _ext.CheckpointReader(uri).manifest().world_size
     with tempfile.TemporaryDirectory(prefix="cairn-drill-") as tmp:
         store = os.path.join(tmp, "store")
         procs, outs = [], []
@@ -236,7 +237,7 @@ def drill(root: str, world_size: int = 1, tier: str | None = None, local: str | 
     load_done = time.perf_counter()
     verify_s = None
     if verify:
-        from cairn.checkpoint import verify as verify_all
+        from cairn.discovery import verify as verify_all
 
         v0 = time.perf_counter()
         try:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -799,9 +798,8 @@ class CheckpointManager:
         """This rank's data-file size in the checkpoint just restored (what its next
         save stages, if the state did not change), or None."""
         try:
-            body = json.loads(reader._reader.manifest_json())
             key = _ext.data_file_key(self.rank)
-            return next((int(f["size"]) for f in body.get("files", []) if f.get("key") == key),
+            return next((int(f.size) for f in reader._reader.manifest().files if f.key == key),
                         None)
         except Exception:  # noqa: BLE001 - a sizing hint only
             return None
