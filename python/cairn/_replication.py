@@ -156,6 +156,7 @@ class Replication:
             self.lease = _ext.MemoryTierLease(self.dir, run_root=mgr.root, run_id=mgr.run_id,
                                               rank=mgr.rank, kind="replica")
         self.replicated: list[int] = []  # steps verified on every peer
+        self.last_s = 0.0  # seconds the last replication took
 
     # ---- placement -------------------------------------------------------------
 

@@ -501,8 +501,10 @@ class CheckpointManager:
         rec.tiers_done.append("memory")
         if self._repl.k:
             _chaos.point("replicate")
+            t = time.perf_counter()
             if self._repl.replicate(rec):
                 rec.tiers_done.append("peer")
+            self._repl.last_s = time.perf_counter() - t
         if rec.durable:
             self._persist_slower_tiers(rec)
 
