@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--no-memory", action="store_true", help="no shared-memory tier")
     p.add_argument("--local", help="optional local NVMe tier directory")
+    p.add_argument("--memory-slots", type=int, default=1,
+                   help="checkpoints held in shared memory (and in each replica)")
     p.add_argument("--replicas", type=int, default=0,
                    help="copies of each node's memory tier on peer nodes")
     p.add_argument("--durable-every", type=int, default=1,
@@ -138,6 +140,7 @@ def main(argv=None) -> int:
     # ---- checkpointing --------------------------------------------------------------
     mgr = cairn.CheckpointManager(args.ckpt_dir, memory=not args.no_memory, local=args.local,
                                   keep=args.keep, replicas=args.replicas,
+                                  memory_slots=args.memory_slots,
                                   durable_every=args.durable_every)
     state = {"train": cairn.TrainState(model, opt, sched, data=loader), "rng": cairn.RNGState()}
     start = mgr.restore(state)

@@ -43,6 +43,7 @@ Not thread-safe: used by one manager, from its persist thread or its caller's.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import mmap
@@ -51,6 +52,7 @@ import re
 import shutil
 import socket
 import struct
+import time
 import warnings
 from typing import Any
 
@@ -109,16 +111,31 @@ def _data_files(ckpt_dir: str) -> dict[int, int]:
     return out
 
 
+def _at(address: int, size: int) -> torch.Tensor:
+    """A uint8 tensor over `size` bytes at `address` (memory the caller keeps alive)."""
+    if not size:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.frombuffer((ctypes.c_uint8 * size).from_address(address), dtype=torch.uint8)
+
+
 class _Mapped:
-    """A file mapped in memory, as a uint8 tensor for send/recv."""
+    """A file mapped in memory, as a uint8 tensor for send/recv. Written: the file is
+    resized in place (pages it keeps are reused), allocated up front and mapped with
+    its pages populated, so the transfer never page-faults nor SIGBUSes."""
 
     def __init__(self, path: str, size: int, write: bool):
-        self.fd = os.open(path, (os.O_RDWR | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY,
-                          0o600)
-        if write and size:
-            os.posix_fallocate(self.fd, 0, size)  # ENOSPC here, never SIGBUS later
-        self.map = mmap.mmap(self.fd, size, access=mmap.ACCESS_WRITE if write
-                             else mmap.ACCESS_COPY) if size else None
+        self.size = size
+        self.fd = os.open(path, (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY, 0o600)
+        self.ino = os.fstat(self.fd).st_ino
+        if write:
+            if os.fstat(self.fd).st_size != size:
+                os.ftruncate(self.fd, size)
+            if size:
+                os.posix_fallocate(self.fd, 0, size)  # ENOSPC here, never SIGBUS later
+        flags = (mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) if write else mmap.MAP_PRIVATE
+        self.map = mmap.mmap(self.fd, size, flags=flags) if size else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.tensor = (torch.frombuffer(self.map, dtype=torch.uint8) if size
@@ -157,6 +174,8 @@ class Replication:
                                               rank=mgr.rank, kind="replica")
         self.replicated: list[int] = []  # steps verified on every peer
         self.last_s = 0.0  # seconds the last replication took
+        self.last_phases: dict[str, float] = {}  # and its steps (uncommit, map, ...)
+        self._maps: dict[tuple[str, int, int], _Mapped] = {}  # receiving replica files
 
     # ---- placement -------------------------------------------------------------
 
@@ -183,67 +202,130 @@ class Replication:
 
     # ---- replication (persist thread) ----------------------------------------------
 
+    def offer(self, slot: int) -> dict[str, Any] | None:
+        """What this rank tells the others, in the save's gather, before it receives
+        the replicas of `slot`: the bytes already held by its replica files (reused in
+        place), the free shared memory and what ``memory_limit`` leaves. None if it
+        receives nothing."""
+        incoming = [q for q, d in self._pairs() if d == self.mgr.rank]
+        if not self.multi or self.k <= 0 or not incoming:
+            return None
+        have = {}
+        for q in incoming:
+            try:
+                have[q] = os.stat(self._file(self.node_of[q], slot, q)).st_size
+            except FileNotFoundError:
+                have[q] = 0
+        free = int(_ext.shared_memory_room(os.path.dirname(self.dir))["usable"])
+        left = None
+        limit = self.mgr._budget.limit
+        if limit is not None:
+            used = int(_ext.allocated_bytes(self.mgr.shm_dir)) if os.path.isdir(
+                self.mgr.shm_dir) else 0
+            used += int(_ext.allocated_bytes(self.dir)) if os.path.isdir(self.dir) else 0
+            left = limit - used
+        return {"have": have, "free": free, "left": left}
+
+    def _file(self, src_node: str, slot: int, q: int) -> str:
+        return os.path.join(self._slot_dir(src_node, slot), "data", f"r{q}.bin")
+
+    def _receive_map(self, src_node: str, slot: int, q: int, size: int) -> "_Mapped":
+        """The mapped replica file of rank q's `slot`, kept mapped between saves (its
+        pages stay allocated and faulted in: the next replication of the slot writes
+        straight into them)."""
+        path = self._file(src_node, slot, q)
+        key = (src_node, slot, q)
+        m = self._maps.get(key)
+        if m is not None:
+            try:
+                same = os.stat(path).st_ino == m.ino
+            except FileNotFoundError:
+                same = False
+            if same and m.size == size:
+                return m
+            m.close()
+            del self._maps[key]
+        m = _Mapped(path, size, write=True)
+        self._maps[key] = m
+        return m
+
     def replicate(self, rec: Any) -> bool:
         """Copies this save's slot files to the peer nodes (see the module docstring).
-        Returns True once every replica verified."""
+        Returns True once every replica verified. ``last_phases`` gets the seconds of
+        each step."""
         mgr = self.mgr
         if not self.multi or self.k <= 0:
             return False
-        w = rec.writer
+        t = time.perf_counter()
+        phases = self.last_phases = {}
+
+        def lap(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            phases[name] = phases.get(name, 0.0) + now - t
+            t = now
+
         pairs = self._pairs()
+        everyone = rec.everyone
         incoming = [q for q, d in pairs if d == mgr.rank]
-        sizes = {q: rec.everyone[q]["capacity"] for q in range(mgr.world)}
-        ok_room, why = self._room_for(sum(sizes[q] for q in incoming), rec.slot, incoming)
-        layout = mgr._gather({"offsets": list(w.staged.offsets), "lengths": list(w.staged.lengths),
-                              "room": ok_room, "why": why})
-        refused = {d for q, d in pairs if not layout[d]["room"]}
-        for d in sorted(refused):
-            log.warning("cairn: step %d not replicated to rank %d: %s", rec.step, d,
-                        layout[d]["why"])
+        sizes = {q: everyone[q]["capacity"] for q in range(mgr.world)}
+        # 1. who has room for what it receives: decided alike by every rank from the
+        # save's gather (no collective of its own).
+        refused = {}
+        for d in sorted({d for _, d in pairs}):
+            o = everyone[d].get("repl")
+            if o is None:
+                continue
+            grow = max(0, sum(sizes[q] - o["have"].get(q, 0) for q, d2 in pairs if d2 == d))
+            if grow > o["free"]:
+                refused[d] = f"{grow} bytes needed, {o['free']} free in shared memory"
+            elif o["left"] is not None and grow > o["left"]:
+                refused[d] = (f"memory_limit: the node's memory tier and replicas would grow by "
+                              f"{grow} bytes, {o['left']} left")
+        for d, why in refused.items():
+            log.warning("cairn: step %d not replicated to rank %d: %s", rec.step, d, why)
         live = [(q, d) for q, d in pairs if d not in refused]
-        # 2. uncommit, then move the bytes.
-        for q in incoming:
-            if mgr.rank in refused:
-                break
-            sd = self._slot_dir(self.node_of[q], rec.slot)
-            for name in (_MANIFEST, _SIDECAR):
-                try:
-                    os.unlink(os.path.join(sd, name))
-                except FileNotFoundError:
-                    pass
-            os.makedirs(os.path.join(sd, "data"), exist_ok=True)
-        maps: dict[int, _Mapped] = {}
+        # 2. uncommit, then move the bytes: the sender's straight from its staging slot,
+        # the receiver's straight into its mapped replica file.
+        if mgr.rank not in refused:
+            for q in incoming:
+                sd = self._slot_dir(self.node_of[q], rec.slot)
+                for name in (_MANIFEST, _SIDECAR):
+                    try:
+                        os.unlink(os.path.join(sd, name))
+                    except FileNotFoundError:
+                        pass
+                os.makedirs(os.path.join(sd, "data"), exist_ok=True)
+        lap("uncommit")
+        recv: dict[int, _Mapped] = {}
         works = []
-        try:
-            src_path = os.path.join(mgr.shm_dir, f"slot{rec.slot}", "data", f"r{mgr.rank}.bin")
-            for q, d in live:
-                if q == mgr.rank:
-                    m = maps.get(-1) or _Mapped(src_path, sizes[q], write=False)
-                    maps[-1] = m
-                    works.append(dist.isend(m.tensor, self._g(d), group=mgr.pg))
-                if d == mgr.rank:
-                    path = os.path.join(self._slot_dir(self.node_of[q], rec.slot), "data",
-                                        f"r{q}.bin")
-                    maps[q] = _Mapped(path, sizes[q], write=True)
-                    works.append(dist.irecv(maps[q].tensor, self._g(q), group=mgr.pg))
-            for wk in works:
-                wk.wait()
-            # 3. verify what arrived, block by block.
-            bad = {}
-            block = int(_ext.DEFAULT_BLOCK_SIZE)
-            for q, m in maps.items():
-                if q < 0:
-                    continue
-                sums = rec.everyone[q]["sums"]
-                for off, length, want in zip(layout[q]["offsets"], layout[q]["lengths"], sums):
-                    got = _ext.block_checksums_address(m.address() + off, length, block)
-                    if tuple(got) != tuple(want):
-                        bad[q] = f"rank {q}'s item at offset {off} arrived with a wrong checksum"
-                        break
-        finally:
-            for m in maps.values():
-                m.close()
+        for q, d in live:
+            if q == mgr.rank:
+                works.append((None, dist.isend(_at(rec.writer.address, sizes[q]), self._g(d),
+                                               group=mgr.pg)))
+            if d == mgr.rank:
+                recv[q] = self._receive_map(self.node_of[q], rec.slot, q, sizes[q])
+                works.append((q, dist.irecv(recv[q].tensor, self._g(q), group=mgr.pg)))
+        lap("map")
+        # 3. verify each file as soon as it arrived, block by block (C++, GIL released).
+        bad = {}
+        block = int(_ext.DEFAULT_BLOCK_SIZE)
+        for q, wk in works:
+            wk.wait()
+            if q is None:
+                continue
+            lap("transfer")
+            m = recv[q]
+            o = everyone[q]
+            for off, length, want in zip(o["offsets"], o["lengths"], o["sums"]):
+                got = _ext.block_checksums_address(m.address() + off, length, block)
+                if tuple(got) != tuple(want):
+                    bad[q] = f"rank {q}'s item at offset {off} arrived with a wrong checksum"
+                    break
+            lap("verify")
+        lap("transfer")
         verdicts = mgr._gather(bad)
+        lap("verdicts")
         failed = {q for v in verdicts for q in v}
         for v in verdicts:
             for q, why in v.items():
@@ -265,33 +347,10 @@ class Replication:
                         json.dump(side, f)
                     _ext.commit_manifest(f"shm://{self.name}/{_safe(src)}/slot{rec.slot}",
                                          rec.body)
+        lap("commit")
         if done:
             self.replicated.append(rec.step)
         return done
-
-    def _room_for(self, nbytes: int, slot: int, incoming: list[int]) -> tuple[bool, str]:
-        if not incoming:
-            return True, ""
-        have = 0
-        for q in incoming:
-            try:
-                have += os.stat(os.path.join(self._slot_dir(self.node_of[q], slot), "data",
-                                             f"r{q}.bin")).st_size
-            except FileNotFoundError:
-                pass
-        grow = max(0, nbytes - have)
-        room = int(_ext.shared_memory_room(os.path.dirname(self.dir))["usable"])
-        if grow > room:
-            return False, f"{grow} bytes needed, {room} free in shared memory"
-        limit = self.mgr._budget.limit
-        if limit is not None:
-            used = int(_ext.allocated_bytes(self.mgr.shm_dir)) if os.path.isdir(
-                self.mgr.shm_dir) else 0
-            used += int(_ext.allocated_bytes(self.dir)) if os.path.isdir(self.dir) else 0
-            if used + grow > limit:
-                return False, (f"memory_limit: the node's memory tier and replicas would hold "
-                               f"{used + grow} bytes, over {limit}")
-        return True, ""
 
     # ---- restore ---------------------------------------------------------------------
 
@@ -468,6 +527,9 @@ class Replication:
             shutil.rmtree(os.path.join(self.dir, "view"), ignore_errors=True)
 
     def close(self) -> None:
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()
         if self.mgr.rank == self.ranks_of[self.node][0]:
             shutil.rmtree(self.dir, ignore_errors=True)
         if self.lease is not None:

@@ -485,6 +485,9 @@ class CheckpointManager:
             err = f"rank {self.rank}: checksumming staged data: {e}"
         # b. everyone learns everyone's outcome.
         mine = {"err": err, "sums": sums, "used": w.used, "capacity": w.capacity}
+        if self._repl.k and self._repl.multi:  # what replication needs, in the same gather
+            mine.update(offsets=list(w.staged.offsets), lengths=list(w.staged.lengths),
+                        repl=self._repl.offer(slot))
         everyone = self._gather(mine)
         errors = [o["err"] for o in everyone if o["err"]]
         if errors:

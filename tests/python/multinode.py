@@ -86,7 +86,10 @@ class Job:
         self.workdir = workdir
         self.attempt = 0
 
-    def start(self, extra_env: dict | None = None) -> list[subprocess.Popen]:
+    def start(self, extra_env: dict | None = None,
+              per_rank_env: dict[int, dict] | None = None) -> list[subprocess.Popen]:
+        """Starts every rank (attempt n+1: TORCHELASTIC_RESTART_COUNT n); `per_rank_env`
+        adds variables to some ranks only."""
         world = len(self.nodes) * self.per
         port = free_port()
         self.attempt += 1
@@ -100,6 +103,7 @@ class Job:
                            TORCHELASTIC_RESTART_COUNT=str(self.attempt - 1))
                 env.pop("CAIRN_NODE_ID", None)
                 env.update(extra_env or {})
+                env.update((per_rank_env or {}).get(rank, {}))
                 log = open(os.path.join(self.workdir, f"a{self.attempt}.r{rank}.log"), "w")
                 procs.append(node.popen([sys.executable, TRAIN, *self.args], env, log))
                 log.close()
