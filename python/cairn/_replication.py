@@ -16,17 +16,27 @@ Layout. A node's replicas live in its shared memory, in a tier of their own, kin
       view/                                     a restore's assembled checkpoint
 
 Replication of one save (every rank, in the background persist thread, right after
-the memory-tier commit; only the checkpoint group's gloo traffic):
-  1. all-gather each rank's item layout (offsets, lengths) and whether it can take
-     what it is about to receive (free shared memory, ``memory_limit``);
+the memory-tier commit; only the checkpoint group's gloo traffic, no collective of its
+own before the bytes move):
+  1. the save's own all-gather (manager.py, step b) already carries each rank's item
+     layout (offsets, lengths, block checksums) and, from each receiving rank
+     (``offer``), the bytes its replica files hold, its free shared memory and what
+     ``memory_limit`` leaves; every rank decides alike who is refused for lack of room;
   2. a receiver uncommits its replica slot k of the source node (manifest and
-     sidecar first), then every pair moves the slot file with isend/irecv straight
-     into a file mapped in the receiver's shared memory;
-  3. the receiver checks every item's block checksums against the ones the source
-     computed (the engine's XXH3 blocks); all-gather the verdicts;
+     sidecar first); then every pair moves the slot file with one isend/irecv: the
+     sender straight from its staging slot (no copy, no new mapping), the receiver
+     straight into its replica file, which stays mapped between saves (resized in
+     place, allocated with posix_fallocate, pages populated: no page faults, no
+     SIGBUS, no re-zeroing per save);
+  3. the receiver checks every item's block checksums (the engine's XXH3 blocks, C++,
+     GIL released) against the source's as soon as that file arrived; all-gather the
+     verdicts;
   4. for each (source node, peer node) whose files all verified, the peer's lowest
      receiving rank writes the sidecar and commits the manifest: only now does the
-     step count as replicated there. Replica slots mirror ``memory_slots``.
+     step count as replicated there. Replica slots mirror ``memory_slots``: with one
+     slot, a node lost while its step replicates has no replica left on its peer (the
+     slot was uncommitted in 2.), and restore falls back to the durable tier; two
+     slots keep the previous step's replica.
 
 Restore (``Replication.candidates`` and ``materialize``, collective): every rank
 reports what its node holds (its memory-tier slots and its replicas, with file sizes);
@@ -37,6 +47,10 @@ step in ``view/``: files it holds are hard links, missing ones are pulled with
 send/recv from the node that holds them, the manifest last. Loading then verifies
 every checksum (a corrupt or missing replica fails there and restore falls back to a
 slower tier or an older step, agreed by all ranks); nothing is trusted unverified.
+Every node's view holds every rank's file (the reader opens a complete checkpoint), so
+a multi-node restore from cluster memory moves each missing file to every node that
+lacks it, not only to the node whose ranks load it: with N nodes, up to N-1 copies of
+a lost node's files cross the network.
 
 Not thread-safe: used by one manager, from its persist thread or its caller's.
 """
