@@ -70,6 +70,14 @@ def parse_args(argv=None):
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--no-memory", action="store_true", help="no shared-memory tier")
     p.add_argument("--local", help="optional local NVMe tier directory")
+    p.add_argument("--memory-slots", type=int, default=1,
+                   help="checkpoints held in shared memory (and in each replica)")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="copies of each node's memory tier on peer nodes")
+    p.add_argument("--durable-every", type=int, default=1,
+                   help="every Nth save reaches the durable tier")
+    p.add_argument("--hold-at-step", type=int, default=-1,
+                   help="(tests) after the save of this step is persisted, wait to be killed")
     p.add_argument("--no-deterministic", action="store_true")
     p.add_argument("--crash-at-step", type=int, default=-1)
     p.add_argument("--crash-rank", type=int, default=0)
@@ -249,10 +257,13 @@ def main(argv=None) -> int:
 
     # ---- checkpointing --------------------------------------------------------------
     mgr = cairn.CheckpointManager(args.ckpt_dir, memory=not args.no_memory, local=args.local,
-                                  keep=args.keep)
+                                  keep=args.keep, replicas=args.replicas,
+                                  memory_slots=args.memory_slots,
+                                  durable_every=args.durable_every)
     state = {"train": cairn.TrainState(model, opt, sched, data=loader), "rng": cairn.RNGState()}
     start = mgr.restore(state)
     step = 0 if start is None else start
+    print(f"[train] rank {rank} restored {mgr.restored}", flush=True)
     if rank == 0:
         print(f"[train] world={world} mode={mode} compile={args.compile} "
               + (f"resuming from step {start} ({mgr.restored[1]} tier)" if start is not None
@@ -326,6 +337,11 @@ def main(argv=None) -> int:
             tc = time.perf_counter()
             mgr.save(step, state)
             ckpt_times.append((len(step_times), time.perf_counter() - tc))
+        if step == args.hold_at_step and restarts == 0 and start is None:
+            mgr.wait()
+            print(f"[train] rank {rank} holding at step {step}", flush=True)
+            while True:  # the test kills this node (or the whole job) now
+                time.sleep(1)
         if step == args.crash_at_step and rank == args.crash_rank and restarts == 0:
             print(f"[train] rank {rank}: simulated crash (SIGKILL) at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

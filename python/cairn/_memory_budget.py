@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from typing import Any
 
 from cairn import _ext
@@ -92,7 +91,8 @@ class Budget:
                 self.limit = int(limit * total)
             else:
                 self.limit = int(limit)
-            self.host = socket.gethostname()
+            from cairn._replication import node_id
+            self.host = node_id()
 
     def _growth(self, slot: int, used: int) -> int:
         path = os.path.join(self.mgr.shm_dir, f"slot{slot}", "data", f"r{self.mgr.rank}.bin")

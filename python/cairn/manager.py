@@ -48,7 +48,6 @@ import hashlib
 import logging
 import os
 import shutil
-import socket
 import threading
 import warnings
 import time
@@ -65,7 +64,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from cairn import _chaos, _ext, _memory_budget, _pools
+from cairn import _chaos, _ext, _memory_budget, _pools, _replication
 from cairn._staging import SlotStager, byte_source, staged_nbytes
 from cairn._dcp_metadata import Location, manifest_extra, manifest_from_metadata
 from cairn.dcp import Reader, value_bytes
@@ -202,6 +201,7 @@ class _Save:
     everyone: list[dict] | None = None  # per-rank checksums and sizes, once gathered
     tiers_done: list[str] = dataclasses.field(default_factory=list)
     on_durable: Any = None  # save()'s callback, for a save that goes durable
+    body: Any = None  # the memory-tier manifest (_ext.Manifest)
 
 
 class CheckpointManager:
@@ -254,7 +254,10 @@ class CheckpointManager:
                  process_group: Any = None, timeout: float = 600.0,
                  thread_count: int | None = None, direct_io: bool = True,
                  memory_limit: int | float | None = None,
-                 orphan_grace: float = float(_ext.DEFAULT_ORPHAN_GRACE_S)):
+                 orphan_grace: float = float(_ext.DEFAULT_ORPHAN_GRACE_S),
+                 replicas: int = 0):
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            raise InvalidArgumentError(f"replicas must be an int >= 0, got {replicas!r}")
         for name, v in (("keep", 1 if keep is None else keep), ("memory_slots", memory_slots),
                         ("durable_every", durable_every)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -303,7 +306,7 @@ class CheckpointManager:
         self.is_coordinator = self.rank == 0
         # The lowest rank of each node writes that node's memory-tier manifests
         # (every node's shared memory holds its own ranks' slot files).
-        hosts = self._gather(socket.gethostname())
+        hosts = self._gather(_replication.node_id())
         self._node_leader = self.rank == hosts.index(hosts[self.rank])
         _chaos.arm()
 
@@ -321,6 +324,9 @@ class CheckpointManager:
         if self._node_leader:
             _memory_budget.reclaim_orphans(float(orphan_grace))
         self._budget = _memory_budget.Budget(self, memory_limit)
+        # Replicas of the memory tier on peer nodes, and restore from them
+        # (cairn/_replication.py).
+        self._repl = _replication.Replication(self, replicas if self.memory else 0, hosts)
         # The staging pool is opened at the first save, not here: a DataLoader
         # forked before that would otherwise inherit the slot files' locks and
         # could keep a restarted process out of its own slots.
@@ -524,6 +530,9 @@ class CheckpointManager:
             err = f"rank {self.rank}: checksumming staged data: {e}"
         # b. everyone learns everyone's outcome.
         mine = {"err": err, "sums": sums, "used": w.used, "capacity": w.capacity}
+        if self._repl.k and self._repl.multi:  # what replication needs, in the same gather
+            mine.update(offsets=list(w.staged.offsets), lengths=list(w.staged.lengths),
+                        repl=self._repl.offer(slot))
         everyone = self._gather(mine)
         errors = [o["err"] for o in everyone if o["err"]]
         if errors:
@@ -536,7 +545,14 @@ class CheckpointManager:
         if self._node_leader:
             _ext.commit_manifest(self._slot_uri(slot), body)
         rec.everyone = everyone
+        rec.body = body
         rec.tiers_done.append("memory")
+        if self._repl.k:
+            _chaos.point("replicate")
+            t = time.perf_counter()
+            if self._repl.replicate(rec):
+                rec.tiers_done.append("peer")
+            self._repl.last_s = time.perf_counter() - t
         if rec.durable:
             self._persist_slower_tiers(rec)
 
@@ -683,6 +699,7 @@ class CheckpointManager:
                     dist.barrier(group=self.pg)
                 except Exception:  # noqa: BLE001 - peers may be gone at shutdown
                     pass
+            self._repl.close()
             if self._node_leader:
                 # The memory tier ends with the manager: slot manifests and any
                 # leftovers of crashed processes go with it.
@@ -720,7 +737,9 @@ class CheckpointManager:
     def candidates(self) -> list[tuple[int, str, str]]:
         """This rank's committed checkpoints, as (step, tier, uri), fastest tier first."""
         out = []
-        if self.memory:
+        if self.memory and self._repl.multi:
+            out.extend(self._repl.candidates())  # collective: memory and peer tiers
+        elif self.memory:
             for step, uri in self._memory_checkpoints().values():
                 out.append((step, "memory", uri))
         for name, tier in (("local", self.local), ("durable", self.root)):
@@ -747,7 +766,7 @@ class CheckpointManager:
         none of them loads."""
         self._check_open()
         self.wait()
-        order = {"memory": 0, "local": 1, "durable": 2}
+        order = {"memory": 0, "peer": 1, "local": 2, "durable": 3}
         mine = self.candidates()
         everyone = self._gather(sorted({(s, t) for s, t, _ in mine}))
         common = set.intersection(*({s for s, _ in c} for c in everyone)) if everyone else set()
@@ -762,9 +781,17 @@ class CheckpointManager:
                                   if s == step and (s, t) not in bad))
                 choice = options[0] if options else None
                 ok, reader, err = choice is not None, None, None
-                if choice is not None:
+                uri = None if choice is None else choice[2]
+                if self._repl.multi and any(self._gather(uri == "cluster")):
+                    try:  # collective: every node assembles the step from its peers
+                        view = self._repl.materialize(step)
+                        if uri == "cluster":
+                            uri = view
+                    except BaseException as e:  # noqa: BLE001 - agreed on below
+                        ok, err = False, e
+                if choice is not None and ok:
                     try:
-                        reader = Reader(choice[2])
+                        reader = Reader(uri)
                     except BaseException as e:  # noqa: BLE001 - agreed on below
                         ok, err = False, e
                 verdicts = self._gather((ok, None if choice is None else choice[1]))
@@ -783,6 +810,8 @@ class CheckpointManager:
                 except BaseException as e:  # noqa: BLE001
                     ok, err = False, e
                 verdicts = self._gather(ok)
+                if self._repl.multi:
+                    self._repl.drop_view()
                 if all(verdicts):
                     log.info("cairn: restored step %d from the %s tier", step, choice[1])
                     self.restored = (step, choice[1])
