@@ -2,6 +2,8 @@
 // reloads them, checks they are identical, and verifies the checkpoint.
 // No Python involved. Usage: example_save_load [DIR]  (default: a temp dir)
 // Exit code 0 on success.
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -73,7 +75,10 @@ int main(int argc, char** argv) {
     }
   }
   if (loaded->size() != buffers.size()) bad++;
-  if (argc <= 1) storage->get()->DeleteDir("").IgnoreError();
+  if (argc <= 1) {  // the temp dir is ours: leave nothing behind
+    storage->get()->DeleteDir("").IgnoreError();
+    rmdir(root.c_str());
+  }
   if (bad) return 1;
   std::printf("saved, verified and reloaded %zu buffers\n", loaded->size());
   return 0;
