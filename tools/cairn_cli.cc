@@ -44,15 +44,7 @@ namespace {
 
 using cairn::Status;
 
-std::string HumanBytes(uint64_t n) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1024 && u < 4) v /= 1024, ++u;
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), u ? "%.1f %s" : "%.0f %s", v, units[u]);
-  return buf;
-}
+using cairn::cli::HumanBytes;
 
 int Fail(const Status& s) {
   std::fprintf(stderr, "cairn: %s\n", s.ToString().c_str());

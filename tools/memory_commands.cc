@@ -8,9 +8,8 @@
 #include "cairn/memory_tier.h"
 
 namespace cairn::cli {
-namespace {
 
-std::string Bytes(uint64_t n) {
+std::string HumanBytes(uint64_t n) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double v = static_cast<double>(n);
   int u = 0;
@@ -19,6 +18,8 @@ std::string Bytes(uint64_t n) {
   std::snprintf(buf, sizeof(buf), u ? "%.1f %s" : "%.0f %s", v, units[u]);
   return buf;
 }
+
+namespace {
 
 std::string Owners(const MemoryTierInfo& t) {
   std::string out;
@@ -89,10 +90,11 @@ int CmdLsMemory(const MemoryCommandOptions& opts) {
     total += t.bytes;
     std::string step = t.steps.empty() ? "-" : std::to_string(t.steps.front());
     std::printf("%-24s %-8s %10s %8s  %-32s %-28s %s\n", t.name.c_str(), t.kind.c_str(),
-                Bytes(t.bytes).c_str(), step.c_str(), t.run_root.empty() ? "-" : t.run_root.c_str(),
-                Owners(t).c_str(), State(t).c_str());
+                HumanBytes(t.bytes).c_str(), step.c_str(),
+                t.run_root.empty() ? "-" : t.run_root.c_str(), Owners(t).c_str(), State(t).c_str());
   }
-  std::printf("%zu memory tier(s), %s of shared memory\n", tiers->size(), Bytes(total).c_str());
+  std::printf("%zu memory tier(s), %s of shared memory\n", tiers->size(),
+              HumanBytes(total).c_str());
   return 0;
 }
 
@@ -103,7 +105,7 @@ int CmdGc(const MemoryCommandOptions& opts) {
   for (const auto& t : gone) {
     freed += t.bytes;
     std::printf("%s %s (%s, %s): %s\n", opts.dry_run ? "would remove" : "removed", t.name.c_str(),
-                t.kind.c_str(), Bytes(t.bytes).c_str(), t.reason.c_str());
+                t.kind.c_str(), HumanBytes(t.bytes).c_str(), t.reason.c_str());
   }
   if (!s.ok()) {
     std::fprintf(stderr, "cairn: %s\n", s.ToString().c_str());
@@ -113,7 +115,7 @@ int CmdGc(const MemoryCommandOptions& opts) {
     std::printf("no orphaned memory tier\n");
   } else {
     std::printf("%s %s in %zu memory tier(s)\n", opts.dry_run ? "would free" : "freed",
-                Bytes(freed).c_str(), gone.size());
+                HumanBytes(freed).c_str(), gone.size());
   }
   return 0;
 }

@@ -2,6 +2,7 @@
 // include/cairn/memory_tier.h), implemented in memory_commands.cc.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace cairn::cli {
@@ -19,5 +20,8 @@ int CmdLsMemory(const MemoryCommandOptions& opts);
 
 // Deletes orphaned memory tiers and prints what was freed.
 int CmdGc(const MemoryCommandOptions& opts);
+
+// `n` bytes for people: "512 B", "1.5 MiB" (every command of the CLI prints sizes so).
+std::string HumanBytes(uint64_t n);
 
 }  // namespace cairn::cli
