@@ -443,10 +443,10 @@ INSTANTIATE_TEST_SUITE_P(Backends, CheckpointTest, ::testing::Values("mem", "pos
 // A mem storage whose files below `full_prefix` hit "disk full" when space
 // is allocated or written (test-local: the shared fault-injection wrapper
 // covers the general case).
-class FullDiskStorage final : public Storage {
+class FullDiskStorage final : public StorageWrapper {
  public:
   explicit FullDiskStorage(std::string full_prefix)
-      : base_(NewMemStorage()), prefix_(std::move(full_prefix)) {}
+      : StorageWrapper(NewMemStorage()), prefix_(std::move(full_prefix)) {}
 
   class FullFile final : public WritableFile {
    public:
@@ -463,24 +463,11 @@ class FullDiskStorage final : public Storage {
       CAIRN_RETURN_IF_ERROR(ValidateKey(key));
       return std::unique_ptr<WritableFile>(new FullFile());
     }
-    return base_->NewWritableFile(key, o);
+    return target()->NewWritableFile(key, o);
   }
-  Result<std::unique_ptr<ReadableFile>> NewReadableFile(std::string_view key,
-                                                        const ReadOptions& o) override {
-    return base_->NewReadableFile(key, o);
-  }
-  Status Rename(std::string_view a, std::string_view b) override { return base_->Rename(a, b); }
-  Status SyncDir(std::string_view d) override { return base_->SyncDir(d); }
-  Status CreateDir(std::string_view d) override { return base_->CreateDir(d); }
-  Status DeleteFile(std::string_view k) override { return base_->DeleteFile(k); }
-  Status DeleteDir(std::string_view d) override { return base_->DeleteDir(d); }
-  Result<std::vector<DirEntry>> List(std::string_view d) override { return base_->List(d); }
-  Result<bool> Exists(std::string_view k) override { return base_->Exists(k); }
-  Result<uint64_t> FileSize(std::string_view k) override { return base_->FileSize(k); }
   std::string Describe() const override { return "full://"; }
 
  private:
-  std::unique_ptr<Storage> base_;
   std::string prefix_;
 };
 

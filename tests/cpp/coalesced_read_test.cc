@@ -13,9 +13,10 @@ namespace {
 
 // A mem storage whose readable files ask for reads of `preferred` bytes and
 // count the ReadV calls they serve (with the default, per-segment ReadV).
-class LargeReadStorage final : public Storage {
+class LargeReadStorage final : public StorageWrapper {
  public:
-  explicit LargeReadStorage(uint64_t preferred) : base_(NewMemStorage()), preferred_(preferred) {}
+  explicit LargeReadStorage(uint64_t preferred)
+      : StorageWrapper(NewMemStorage()), preferred_(preferred) {}
 
   class File final : public ReadableFile {
    public:
@@ -37,30 +38,17 @@ class LargeReadStorage final : public Storage {
     const LargeReadStorage* owner_;
   };
 
-  Result<std::unique_ptr<WritableFile>> NewWritableFile(std::string_view key,
-                                                        const WriteOptions& o) override {
-    return base_->NewWritableFile(key, o);
-  }
   Result<std::unique_ptr<ReadableFile>> NewReadableFile(std::string_view key,
                                                         const ReadOptions& o) override {
-    CAIRN_ASSIGN_OR_RETURN(auto f, base_->NewReadableFile(key, o));
+    CAIRN_ASSIGN_OR_RETURN(auto f, target()->NewReadableFile(key, o));
     return std::unique_ptr<ReadableFile>(new File(std::move(f), this));
   }
-  Status Rename(std::string_view a, std::string_view b) override { return base_->Rename(a, b); }
-  Status SyncDir(std::string_view d) override { return base_->SyncDir(d); }
-  Status CreateDir(std::string_view d) override { return base_->CreateDir(d); }
-  Status DeleteFile(std::string_view k) override { return base_->DeleteFile(k); }
-  Status DeleteDir(std::string_view d) override { return base_->DeleteDir(d); }
-  Result<std::vector<DirEntry>> List(std::string_view d) override { return base_->List(d); }
-  Result<bool> Exists(std::string_view k) override { return base_->Exists(k); }
-  Result<uint64_t> FileSize(std::string_view k) override { return base_->FileSize(k); }
   std::string Describe() const override { return "large-reads://"; }
 
-  Storage* base() { return base_.get(); }
+  Storage* base() { return target(); }
   mutable std::atomic<int> reads_v{0}, reads_at{0};
 
  private:
-  std::unique_ptr<Storage> base_;
   uint64_t preferred_;
 };
 
