@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -45,13 +44,8 @@ def moto():
 @pytest.fixture
 def s3(moto, monkeypatch):
     """Points cairn at moto; returns (root URI, boto3 client, bucket, prefix)."""
-    for k, v in moto.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
-    monkeypatch.setenv("CAIRN_S3_PART_SIZE", str(PART))
-    prefix = "t-" + uuid.uuid4().hex[:12]
-    return f"s3://{moto.bucket}/{prefix}", moto.boto3_client(), moto.bucket, prefix
+    root, prefix, _ = moto.use(monkeypatch, part_size=PART)
+    return root, moto.boto3_client(), moto.bucket, prefix
 
 
 def _state(seed=0, mib=12):

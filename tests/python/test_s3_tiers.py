@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -32,14 +31,8 @@ def moto():
 @pytest.fixture
 def s3(moto, monkeypatch):
     """Points cairn at moto; returns (root URI, boto3 client, bucket, prefix, env)."""
-    for k, v in moto.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
-    monkeypatch.setenv("CAIRN_S3_PART_SIZE", str(5 << 20))
-    prefix = "t-" + uuid.uuid4().hex[:12]
-    env = {k: os.environ[k] for k in os.environ if k.startswith(("AWS_", "CAIRN_S3_"))}
-    return f"s3://{moto.bucket}/{prefix}", moto.boto3_client(), moto.bucket, prefix, env
+    root, prefix, env = moto.use(monkeypatch)
+    return root, moto.boto3_client(), moto.bucket, prefix, env
 
 
 # ---- the manager -------------------------------------------------------------------

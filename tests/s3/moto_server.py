@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 
 BUCKET = "cairn-test"
 REGION = "us-east-1"
@@ -105,6 +106,20 @@ class MotoServer:
             "NO_PROXY": "127.0.0.1,localhost",
             "no_proxy": "127.0.0.1,localhost",
         }
+
+    def use(self, monkeypatch, part_size=5 << 20):
+        """Points cairn at this server for one test (pytest's `monkeypatch` undoes it):
+        its AWS_* variables, no stray endpoint or session token, `part_size` parts.
+        Returns (a fresh s3:// root of its own, its prefix, the AWS_*/CAIRN_S3_*
+        environment for child processes)."""
+        for k, v in self.env().items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+        monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+        monkeypatch.setenv("CAIRN_S3_PART_SIZE", str(part_size))
+        prefix = "t-" + uuid.uuid4().hex[:12]
+        env = {k: os.environ[k] for k in os.environ if k.startswith(("AWS_", "CAIRN_S3_"))}
+        return f"s3://{self.bucket}/{prefix}", prefix, env
 
     def boto3_client(self):
         import boto3
