@@ -43,11 +43,17 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import SerializationFormat
+from torch.distributed.checkpoint import _version
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
+    TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -578,6 +584,18 @@ def _byte_range(
 
 
 
+@dataclasses.dataclass
+class InPlaceLoad:
+    """Reader.plan_in_place's plan: engine read requests and where values go."""
+
+    state_dict: dict[str, Any]
+    keys: list[str]
+    stateful_sd: dict[str, Any]
+    mappings: dict[str, Any]
+    requests: list[tuple[int, int, int, int, int, int]]
+    values: list[tuple[str, np.ndarray]]
+
+
 class Reader(StorageReader):
     """A DCP ``StorageReader`` for cairn checkpoints (and stock DCP ones).
 
@@ -813,6 +831,98 @@ class Reader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    # ---- in-place load without DCP's planner (CheckpointManager.restore) ----------
+
+    def plan_in_place(self, state_dict: dict[str, Any]) -> "InPlaceLoad | None":
+        """A plan to load `state_dict` as ``dcp.load(state_dict, storage_reader=self)``
+        does, when every value can be loaded in place without DCP's planner: each
+        tensor a plain contiguous CPU tensor whose stored tensor is one chunk of its
+        exact shape and dtype (no resharding), each other value a stored value. None
+        when anything else is asked (DTensor, resharding, a key missing from the
+        checkpoint, ...): then use dcp.load, which handles (or reports) it. Reads
+        nothing; Statefuls' ``state_dict()`` is called, as dcp.load does."""
+        if self._stock is not None:
+            return None
+        if self._reader is None:
+            self._open(_uri(self.path))
+        assert self._metadata is not None
+        keys = sorted(state_dict.keys())
+        stateful_sd = {}
+        for k in keys:
+            elem = state_dict[k]
+            stateful_sd[k] = elem.state_dict() if isinstance(elem, Stateful) else elem
+        flat, mappings = flatten_state_dict(stateful_sd)
+        md = self._metadata.state_dict_metadata
+        missing = md.keys() - flat.keys()
+        if missing:
+            # DCP re-flattens the old (torch <= 2.3) way when that explains the
+            # missing keys (DefaultLoadPlanner.create_local_plan): leave it to DCP.
+            _version._derived_version = "2_3"
+            try:
+                old, _ = flatten_state_dict(stateful_sd)
+            finally:
+                _version._derived_version = None
+            if old.keys() & missing:
+                return None
+        requests: list[tuple[int, int, int, int, int, int]] = []
+        values: list[tuple[str, np.ndarray]] = []
+        for fqn, v in flat.items():
+            m = md.get(fqn)
+            if m is None:
+                return None  # DCP raises its own "missing key" error
+            if isinstance(v, torch.Tensor):
+                if type(v) not in (torch.Tensor, torch.nn.Parameter):
+                    return None  # DTensor, ShardedTensor, other subclasses
+                if not isinstance(m, TensorStorageMetadata) or len(m.chunks) != 1:
+                    return None
+                chunk = m.chunks[0]
+                shape = tuple(v.shape)
+                if (tuple(m.size) != shape or tuple(chunk.sizes) != shape
+                        or any(chunk.offsets) or v.device.type != "cpu"
+                        or v.dtype != m.properties.dtype or not v.is_contiguous()):
+                    return None
+                item = self._items.get(MetadataIndex(fqn, chunk.offsets))
+                nbytes = v.numel() * v.element_size()
+                if item is None or item.kind != 0 or item.length != nbytes:
+                    return None
+                if nbytes:
+                    requests.append((0, item.index, item.chunk, v.data_ptr(), nbytes, 0))
+                continue
+            if not isinstance(m, BytesStorageMetadata):
+                return None
+            item = self._items.get(MetadataIndex(fqn))
+            if item is None or item.kind != 1:
+                return None
+            buf = np.empty(item.length, dtype=np.uint8)
+            requests.append((1, item.index, 0, buf.ctypes.data, item.length, 0))
+            values.append((fqn, buf))
+        return InPlaceLoad(state_dict, keys, stateful_sd, mappings, requests, values)
+
+    def load_in_place(self, plan: "InPlaceLoad") -> None:
+        """Carries out plan_in_place's plan: every tensor and value is read, verified,
+        in one engine call (in parallel, each block hashed as it is copied), straight
+        into the state's tensors; values are decoded as read_data does, Statefuls get
+        ``load_state_dict``. A corrupt byte raises CorruptionError naming the file and
+        tensor; the state's contents are then unspecified."""
+        assert self._reader is not None
+        self._reader.read(plan.requests, self._thread_pool())
+        for fqn, buf in plan.values:
+            data = buf.tobytes()
+            where = f"{self.path}: value '{fqn}'"
+            if data.startswith(VALUE_MAGIC):
+                value = decode_value(data, where)
+            else:
+                if not self.allow_pickle:
+                    check_value_is_safe(data, where)
+                value = torch.load(io.BytesIO(data), weights_only=False)
+            set_element(plan.stateful_sd, plan.mappings[fqn], value)
+        for k in plan.keys:
+            elem = plan.state_dict[k]
+            if isinstance(elem, Stateful):
+                elem.load_state_dict(plan.stateful_sd[k])
+            else:
+                plan.state_dict[k] = plan.stateful_sd[k]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -879,6 +879,16 @@ class CheckpointManager:
                 v.load_state_dict({})  # documented: re-seeded deterministically
                 continue
             to_load[k] = v
+        # The common case (plain CPU tensors, no resharding) skips DCP's planner: one
+        # verified engine read straight into the state's tensors. Every rank must
+        # take the same path, since dcp.load is collective.
+        try:
+            plan = reader.plan_in_place(to_load)
+        except Exception:  # noqa: BLE001 - dcp.load below reports it, collectively
+            plan = None
+        if all(self._gather(plan is not None)):
+            reader.load_in_place(plan)
+            return
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(to_load, storage_reader=reader, process_group=self.pg)
