@@ -665,14 +665,22 @@ class Reader(StorageReader):
         """The ``user_metadata`` the checkpoint was saved with ({} if none)."""
         return dict(self._user_metadata)
 
-    def _open(self, uri: str) -> None:
+    @classmethod
+    def _of_engine_reader(cls, uri: str, engine: _ext.CheckpointReader) -> "Reader":
+        """A Reader of `uri` over an engine reader already open on it (the manager
+        opened it to list its memory tier), so the manifest is not read twice."""
+        reader = cls()
+        reader._open(uri, engine)
+        return reader
+
+    def _open(self, uri: str, engine: _ext.CheckpointReader | None = None) -> None:
         self.path = uri
         self._reader = None
         self._stock = None
         self._metadata = None
         self._items = {}
         try:
-            self._reader = _ext.CheckpointReader(uri)
+            self._reader = engine if engine is not None else _ext.CheckpointReader(uri)
         except NotFoundError:
             local = _local_path(uri)
             if (

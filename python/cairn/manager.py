@@ -317,6 +317,9 @@ class CheckpointManager:
         self.shm_name = memory_tier_name(self.root)
         self.shm_dir = _ext.shm_directory(self.shm_name)
         self.num_slots = memory_slots
+        # Engine readers of memory-tier slots that candidates() opened, by uri,
+        # reused by the restore() that asked (and dropped when it returns).
+        self._open_readers: dict[str, Any] = {}
         # This process owns the tier from now on (a lock, an owner record and a
         # heartbeat, in C++); then the node's orphaned tiers of crashed runs go.
         self._lease = _ext.MemoryTierLease(self.shm_dir, run_root=self.root,
@@ -421,21 +424,25 @@ class CheckpointManager:
                 st.write_file(_RUN_ID_FILE, rid.encode(), sync=True)
         return self._agree(rid)
 
-    def _memory_checkpoints(self) -> dict[int, tuple[int, str]]:
+    def _memory_checkpoints(self, keep_open: bool = False) -> dict[int, tuple[int, str]]:
         """{slot: (step, uri)} of this node's committed memory-tier checkpoints of
-        this run."""
+        this run. With keep_open, the engine readers opened on the way are kept in
+        self._open_readers (by uri) for restore() to reuse."""
         out = {}
         for slot in range(self.num_slots):
             uri = self._slot_uri(slot)
             if not _ext.has_manifest(uri):
                 continue
             try:
-                manifest = _ext.CheckpointReader(uri).manifest()
+                engine = _ext.CheckpointReader(uri)
+                manifest = engine.manifest()
             except Error:
                 continue
             extra = manifest_extra(manifest).get("manager", {})
             if extra.get("run_id") == self.run_id and isinstance(extra.get("step"), int):
                 out[slot] = (extra["step"], uri)
+                if keep_open:
+                    self._open_readers[uri] = engine
         return out
 
     def _oldest_slot(self) -> int:
@@ -740,7 +747,7 @@ class CheckpointManager:
         if self.memory and self._repl.multi:
             out.extend(self._repl.candidates())  # collective: memory and peer tiers
         elif self.memory:
-            for step, uri in self._memory_checkpoints().values():
+            for step, uri in self._memory_checkpoints(keep_open=True).values():
                 out.append((step, "memory", uri))
         for name, tier in (("local", self.local), ("durable", self.root)):
             if tier is None:
@@ -766,6 +773,12 @@ class CheckpointManager:
         none of them loads."""
         self._check_open()
         self.wait()
+        try:
+            return self._restore(state)
+        finally:
+            self._open_readers.clear()
+
+    def _restore(self, state: dict[str, Any]) -> int | None:
         order = {"memory": 0, "peer": 1, "local": 2, "durable": 3}
         mine = self.candidates()
         everyone = self._gather(sorted({(s, t) for s, t, _ in mine}))
@@ -791,7 +804,9 @@ class CheckpointManager:
                         ok, err = False, e
                 if choice is not None and ok:
                     try:
-                        reader = Reader(uri)
+                        engine = self._open_readers.pop(uri, None)
+                        reader = (Reader(uri) if engine is None
+                                  else Reader._of_engine_reader(uri, engine))
                     except BaseException as e:  # noqa: BLE001 - agreed on below
                         ok, err = False, e
                 verdicts = self._gather((ok, None if choice is None else choice[1]))
