@@ -240,6 +240,11 @@ def main(argv=None) -> int:
     # ---- model, optimizer, schedule ------------------------------------------------
     model = GPT(d=args.d_model, layers=args.layers, seq_len=args.seq_len).to(device)
     model = wrap_model(model, mode, world)
+    # DDP's first backward pass reduces in another bucket layout than every later one;
+    # spend it on a dummy batch, so a resumed run's first step sums gradients in the
+    # same order as the uninterrupted run's (bit-exact resume from 3 ranks on).
+    dummy = torch.zeros(1, args.seq_len + 1, dtype=torch.long, device=device)
+    cairn.settle_ddp_buckets(model, lambda m: m(dummy[:, :-1], dummy[:, 1:]).backward())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_lr(s, args.steps))
     gate = None
