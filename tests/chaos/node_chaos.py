@@ -21,9 +21,9 @@ Each trial checks: the restarted job finished; the final parameters are bitwise 
 to the uninterrupted reference's; every (rank, step) consumed the same sample ids as
 in the reference, and a replayed step the same ids both times; each rank restored from
 a tier it may (losing both nodes leaves only the durable tier). Exits non-zero if any
-trial fails; prints the restored tiers per phase. Known: 2x2 trials fail the
-parameter check from any tier, the durable one included, because a 4-rank resume of
-examples/train.py is not bit-exact even on one node (not replication's; see issue 12). ``trial()`` is what the pytest CI
+trial fails; prints the restored tiers per phase. (A 4-rank run is bit-exact only because
+examples/train.py calls ``cairn.settle_ddp_buckets``: DDP's first step reduces in
+another bucket layout than its later ones.) ``trial()`` is what the pytest CI
 subset (tests/python/test_replication.py) runs.
 """
 
