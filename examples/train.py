@@ -70,8 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--no-memory", action="store_true", help="no shared-memory tier")
     p.add_argument("--local", help="optional local NVMe tier directory")
-    p.add_argument("--memory-slots", type=int, default=1,
-                   help="checkpoints held in shared memory (and in each replica)")
+    p.add_argument("--memory-slots", type=int, default=None,
+                   help="checkpoints held in shared memory (and in each replica); "
+                        "default 1, or 2 with --replicas")
     p.add_argument("--replicas", type=int, default=0,
                    help="copies of each node's memory tier on peer nodes")
     p.add_argument("--durable-every", type=int, default=1,

@@ -12,9 +12,8 @@ Phases (round-robin over trials): train (after the N-th optimizer step), stage
 (half-way through the N-th staging copy), replicate (the N-th replication about to
 start, memory tier committed), persist (the N-th durable save's data files written,
 manifest not yet), timer (a random delay: whatever the run is doing). The run keeps
-two memory slots (and so two replica slots): a node lost while one step replicates
-still has the previous step's replica on its peer. (With one slot, a node lost
-mid-replication has none: the slot was uncommitted first; see docs/memory.md.) Layouts: 2x1
+two memory slots (and so two replica slots), the least replicas accept: a node lost
+while one step replicates still has the previous step in memory and on its peer. Layouts: 2x1
 and 2x2 (nodes x ranks per node). Lost: node b, node a, or both (round-robin).
 
 Each trial checks: the restarted job finished; the final parameters are bitwise equal
