@@ -58,17 +58,18 @@ def settle_ddp_buckets(model, forward_backward) -> bool:
     Why: DDP reduces the first backward pass of a process in one bucket in parameter
     order, records the order in which gradients became ready, and from the next
     forward pass on reduces in buckets of that order. With three or more ranks the
-    two layouts sum a gradient element in a different order (gloo's ring splits the
-    bucket into chunks by offset), so an uninterrupted run's step k+1 (rebuilt
-    buckets) and a run resumed at step k (first pass: initial bucket) differ in the
-    last bits. (With two ranks a + b == b + a, which is why it shows from 3 ranks on.)
+    two layouts sum a gradient element in a different order (a ring all-reduce
+    starts each chunk of the bucket at another rank, so the order an element is
+    summed in depends on its offset), and an uninterrupted run's step k+1 (rebuilt
+    buckets) and a run resumed at step k (its first pass: the initial bucket) differ
+    in the last bits. (With two ranks a + b == b + a, which is why it shows from 3 ranks on.)
     Running that first pass here, on every attempt, gives every real step the rebuilt
     layout.
 
     The pass runs under ``torch.random.fork_rng`` (the run's random streams are
     untouched), its gradients are dropped (``grad = None``) and it is a collective:
-    every rank calls it. Returns whether DDP rebuilt its buckets (False for a model
-    that is not DDP, or one that had already run a step)."""
+    every rank calls it. Returns whether the pass ran: False for a model that is not
+    DDP, or one whose buckets were already rebuilt (it had run a step)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -84,4 +85,4 @@ def settle_ddp_buckets(model, forward_backward) -> bool:
     # so rebuild here, the way DDP's own _pre_forward does.
     if model.reducer._rebuild_buckets():
         model._has_rebuilt_buckets = True
-    return bool(getattr(model, "_has_rebuilt_buckets", False))
+    return True
