@@ -86,7 +86,8 @@ Status CommitManifest(Storage* storage, std::string_view dir, const Manifest& m)
 
 // Removes the manifest of `dir` if there is one (and syncs `dir`), so that
 // rewriting the directory in place never leaves a manifest that describes
-// half-new data. OK when there is no manifest.
+// half-new data. OK when there is no manifest, also when another process
+// removes it concurrently (safe to call from several processes for one `dir`).
 Status UncommitCheckpoint(Storage* storage, std::string_view dir);
 
 // Reads and validates the manifest of `dir`. NotFound if `dir` has no
