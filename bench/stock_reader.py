@@ -1,5 +1,5 @@
-"""Loading a stock ``dcp.save`` checkpoint: cairn's StockReader (its own
-zip/pickle item decoder, a strided view of the bytes read) against the same
+"""Loading a stock ``dcp.save`` checkpoint: cairn's StockReader (the C++
+engine's zip/pickle item decoder, bytes read straight into the destination) against the same
 safety built on DCP's own ``FileSystemReader.read_data`` (``torch.load`` per
 item, one more copy), and against DCP's unsafe ``FileSystemReader`` itself.
 
@@ -34,9 +34,8 @@ from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from cairn import _pools
+from cairn import _ext, _pools
 from cairn._stock_reader import (
-    _Archive,
     StockReader,
     _local_path,
     _open_regular,
@@ -62,8 +61,9 @@ _LOCAL_MAGIC = b"PK\x03\x04"
 
 def _verify_zip_crcs(data: bytes, where: str) -> None:
     """Checks the CRC32 of every stored entry of the torch.save archive held in
-    ``data`` (torch.save writes them; torch.load never checks them)."""
-    _Archive(data, where, verify_crc=True)
+    ``data`` (torch.save writes them; torch.load never checks them): the
+    engine's archive walk (src/stock/), whose decoded record is not used."""
+    _ext.decode_stock_tensor(data, where, True)
 
 
 class _DataFiles(FileSystem):
