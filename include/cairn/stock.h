@@ -73,7 +73,8 @@ Result<TensorRecord> DecodeTensorRecord(const ReadableFile& archive,
 // Checks the CRC32 of `entry` over `data` (its bytes). kDataLoss on mismatch.
 Status VerifyEntry(const ZipEntry& entry, const void* data, uint64_t n);
 
-// CRC32 (zlib's) of `n` bytes, continuing from `crc` (0 to start).
+// The zip CRC32 of `n` bytes, continuing from `crc` (0 to start); zlib's
+// crc32, computed with libdeflate.
 uint32_t Crc32(uint32_t crc, const void* data, uint64_t n);
 
 // The ReadableFile of `n` bytes at `data` (not owned; must outlive the view).

@@ -9,7 +9,7 @@
 // say where the data begins. Every offset is checked against the archive's
 // size before it is used, in 64-bit arithmetic that cannot wrap: a hostile
 // archive yields kDataLoss, never a read outside the item.
-#include <zlib.h>
+#include <libdeflate.h>
 
 #include <algorithm>
 #include <cstring>
@@ -105,10 +105,10 @@ Status FileRange::ReadAt(uint64_t offset, void* buf, size_t n) const {
 }
 
 uint32_t Crc32(uint32_t crc, const void* data, uint64_t n) {
-  const auto* p = static_cast<const Bytef*>(data);
-  while (n > 0) {  // zlib takes 32-bit lengths
-    uInt step = static_cast<uInt>(std::min<uint64_t>(n, 1u << 30));
-    crc = static_cast<uint32_t>(::crc32(crc, p, step));
+  const auto* p = static_cast<const char*>(data);
+  while (n > 0) {  // in steps of 1 GiB: size_t is wide, but keep the calls short
+    const size_t step = static_cast<size_t>(std::min<uint64_t>(n, uint64_t{1} << 30));
+    crc = libdeflate_crc32(crc, p, step);
     p += step;
     n -= step;
   }

@@ -31,7 +31,8 @@ std::string TensorPickle(const std::string& storage_class, int64_t numel, int64_
     *s += v;
   };
   std::string p = "\x80\x02";
-  p += "c" + global + "q\x00";
+  p += "c" + global;
+  p.append("q\0", 2);  // BINPUT 0
   p += "((";
   str_op(&p, "storage");
   p += "ctorch\n" + storage_class + "\nq\x01";
@@ -55,8 +56,11 @@ struct Entry {
   uint16_t method = 0;
 };
 
-// A zip as torch.save writes it: stored entries, data 64-byte aligned.
-std::string Zip(const std::vector<Entry>& entries) {
+void Put64(std::string* s, uint64_t v) { s->append(reinterpret_cast<const char*>(&v), 8); }
+
+// A zip as torch.save writes it: stored entries, data 64-byte aligned, and
+// (zip64) the zip64 end record and locator torch.save always adds.
+std::string Zip(const std::vector<Entry>& entries, bool zip64 = false) {
   std::string out, cd;
   for (const Entry& e : entries) {
     const uint32_t crc = static_cast<uint32_t>(
@@ -98,6 +102,23 @@ std::string Zip(const std::vector<Entry>& entries) {
   }
   const uint32_t cd_offset = out.size();
   out += cd;
+  if (zip64) {
+    const uint64_t end64 = out.size();
+    Put32(&out, 0x06064b50);
+    Put64(&out, 44);
+    Put16(&out, 45);
+    Put16(&out, 45);
+    Put32(&out, 0);
+    Put32(&out, 0);
+    Put64(&out, entries.size());
+    Put64(&out, entries.size());
+    Put64(&out, cd.size());
+    Put64(&out, cd_offset);
+    Put32(&out, 0x07064b50);
+    Put32(&out, 0);
+    Put64(&out, end64);
+    Put32(&out, 1);
+  }
   Put32(&out, 0x06054b50);
   Put16(&out, 0);
   Put16(&out, 0);
@@ -147,6 +168,22 @@ TEST(StockRecordTest, DecodesThePlainOneTensorForm) {
   EXPECT_EQ(rec->storage.data_begin % 64, 0u);
   EXPECT_EQ(a.substr(rec->storage.data_begin, 48), Floats(12));
   EXPECT_TRUE(VerifyEntry(rec->storage, a.data() + rec->storage.data_begin, 48).ok());
+}
+
+TEST(StockRecordTest, ReadsTheZip64RecordsTorchSaveWrites) {
+  std::vector<Entry> entries = {
+      {"archive/data.pkl", TensorPickle("FloatStorage", 12, 0, {3, 4}, {4, 1})},
+      {"archive/byteorder", "little"},
+      {"archive/data/0", Floats(12)}};
+  std::string a = Zip(entries, /*zip64=*/true);
+  auto rec = Decode(a);
+  ASSERT_TRUE(rec.ok()) << rec.status().ToString();
+  EXPECT_EQ(a.substr(rec->storage.data_begin, 48), Floats(12));
+  // A locator pointing past itself is corruption, not a read elsewhere.
+  size_t loc = a.rfind(std::string("PK\x06\x07", 4));
+  uint64_t far = a.size() + 100;
+  std::memcpy(a.data() + loc + 8, &far, 8);
+  EXPECT_EQ(Decode(a).status().code(), StatusCode::kDataLoss);
 }
 
 TEST(StockRecordTest, KeepsATransposedView) {
