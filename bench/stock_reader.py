@@ -21,6 +21,7 @@ import dataclasses
 import io
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -38,7 +39,6 @@ from cairn import _ext, _pools
 from cairn._stock_reader import (
     StockReader,
     _local_path,
-    _open_regular,
     check_value_is_safe,
     is_stock_checkpoint,
     read_stock_metadata,
@@ -57,6 +57,22 @@ from cairn.errors import CorruptionError, InvalidArgumentError
 # allowlist before load_bytes, one planner call at a time).
 
 _LOCAL_MAGIC = b"PK\x03\x04"
+
+
+def _open_regular(path: str) -> int:
+    """Opens ``path`` read-only without following a symlink and without ever
+    blocking: a FIFO, socket or device is refused. (cairn's own reader has
+    the engine's Storage open its files; this bench-only rebuild opens them
+    through DCP's FileSystem, so it needs its own.)"""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptionError(f"{path}: not a regular file (refusing to read it)")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _verify_zip_crcs(data: bytes, where: str) -> None:

@@ -134,4 +134,15 @@ Status ReadTensors(Storage* storage, const std::vector<TensorRequest>& requests,
 Status ReadItem(Storage* storage, const std::string& file, uint64_t offset, uint64_t length,
                 const std::string& where, const std::string& fqn, void* dest);
 
+// Whether `storage` (rooted at a directory) is a stock checkpoint: it holds
+// ".metadata" (or rank 0's "__0.metadata", saved without collectives) as a
+// regular file that starts like a protocol >= 2 pickle. Reads one byte.
+bool IsStockCheckpoint(Storage* storage);
+
+// The bytes of the metadata file `name` (".metadata" or "__<rank>.metadata"),
+// read without following a symlink or waiting on a FIFO. kNotFound when it is
+// missing; kDataLoss when it is not a regular file, cannot be read, or is
+// larger than `max_size` bytes (checked before anything is allocated).
+Result<std::string> ReadMetadataFile(Storage* storage, const std::string& name, uint64_t max_size);
+
 }  // namespace cairn::stock

@@ -48,7 +48,6 @@ import io
 import os
 import pathlib
 import pickle
-import stat
 import threading
 import warnings
 from typing import Any
@@ -66,7 +65,6 @@ from cairn.errors import CorruptionError, InvalidArgumentError, NotFoundError
 __all__ = ["is_stock_checkpoint", "StockReader", "read_stock_metadata", "check_value_is_safe"]
 
 METADATA_FILE = ".metadata"
-_PICKLE_PROTO = 0x80  # first byte of a protocol >= 2 pickle
 # Bounds on what a metadata file may make us allocate before anything is
 # validated (a sparse file costs nothing on disk): the metadata pickle itself,
 # a non-tensor item, and a tensor item beyond its chunk's bytes (torch.save's
@@ -75,21 +73,6 @@ _MAX_METADATA_SIZE = 1 << 30
 _MAX_BYTES_ITEM_SIZE = int(_ext.MAX_BYTES_ITEM_SIZE)
 _TENSOR_ITEM_SLACK = 16 << 20
 
-
-def _open_regular(path: str) -> int:
-    """Opens ``path`` read-only without following a symlink and without ever
-    blocking: a FIFO, socket or device is refused (OSError ENXIO-like, raised
-    as CorruptionError by callers) instead of waited on."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptionError(f"{path}: not a regular file (refusing to read it)")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 _DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
@@ -113,19 +96,9 @@ def is_stock_checkpoint(path: str | os.PathLike) -> bool:
     """True when ``path`` is a directory holding a stock DCP ``.metadata`` pickle
     (global, or rank 0's when saved without collectives). Reads one byte."""
     try:
-        d = _local_path(path)
+        return bool(_ext.is_stock_checkpoint(_local_path(path)))
     except TypeError:
         return False
-    for name in (METADATA_FILE, f"__0{METADATA_FILE}"):
-        f = os.path.join(d, name)
-        try:
-            fd = _open_regular(f)
-        except (OSError, CorruptionError):
-            continue
-        with os.fdopen(fd, "rb") as fh:
-            if fh.read(1) == bytes([_PICKLE_PROTO]):
-                return True
-    return False
 
 
 # ----------------------------------------------------------------------------
@@ -497,16 +470,8 @@ def read_stock_metadata(path: str | os.PathLike, rank: int | None = None) -> _md
     d = _local_path(path)
     name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
     f = os.path.join(d, name)
-    try:
-        fd = _open_regular(f)
-    except FileNotFoundError as e:
-        raise NotFoundError(f"{f}: no DCP metadata file") from e
-    except OSError as e:
-        raise CorruptionError(f"{f}: cannot open DCP metadata: {e.strerror}") from e
-    with os.fdopen(fd, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size > _MAX_METADATA_SIZE:
-            raise CorruptionError(f"{f}: DCP metadata larger than {_MAX_METADATA_SIZE} bytes")
-        raw = fh.read(_MAX_METADATA_SIZE + 1)
+    # The engine opens it (no symlink, no FIFO) and bounds it before reading.
+    raw = _ext.read_stock_metadata_file(d, name, _MAX_METADATA_SIZE)
     try:
         root = _RestrictedUnpickler(io.BytesIO(raw), f).load()
     except CorruptionError:

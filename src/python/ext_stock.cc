@@ -92,6 +92,24 @@ void RegisterStock(nb::module_& m) {
       nb::arg("storage"), nb::arg("file"), nb::arg("offset"), nb::arg("length"), nb::arg("where"),
       nb::arg("fqn_repr"), "One item's bytes as a bytearray, bounds-checked against the file.");
   m.def(
+      "is_stock_checkpoint",
+      [](const std::string& uri) {
+        nb::gil_scoped_release release;
+        Result<std::unique_ptr<Storage>> storage = OpenStorage(uri, /*create=*/false);
+        return storage.ok() && stock::IsStockCheckpoint(storage->get());
+      },
+      nb::arg("uri"), "Whether `uri` is a directory holding a stock DCP metadata pickle.");
+  m.def(
+      "read_stock_metadata_file",
+      [](const std::string& uri, const std::string& name, uint64_t max_size) {
+        Result<std::string> raw = WithStorage<std::string>(
+            uri, false, [&](Storage* st) { return stock::ReadMetadataFile(st, name, max_size); });
+        std::string bytes = ValueOrThrow(std::move(raw));
+        return nb::bytes(bytes.data(), bytes.size());
+      },
+      nb::arg("uri"), nb::arg("name"), nb::arg("max_size"),
+      "The bytes of a stock checkpoint's metadata file, bounded, no symlink, no FIFO.");
+  m.def(
       "decode_stock_tensor",
       [](nb::handle buffer, const std::string& where,
          bool verify_crc) -> std::optional<std::tuple<std::string, uint64_t, uint64_t, int64_t,

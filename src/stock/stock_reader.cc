@@ -315,4 +315,33 @@ Status ReadItem(Storage* storage, const std::string& file, uint64_t offset, uint
   return (*f)->ReadAt(offset, dest, length).WithContext(where);
 }
 
+bool IsStockCheckpoint(Storage* storage) {
+  for (const char* name : {".metadata", "__0.metadata"}) {
+    Result<std::unique_ptr<ReadableFile>> f = storage->NewReadableFile(name);
+    char first = 0;
+    if (f.ok() && (*f)->Size() > 0 && (*f)->ReadAt(0, &first, 1).ok() &&
+        static_cast<uint8_t>(first) == 0x80) {
+      return true;
+    }
+  }
+  return false;
+}
+
+Result<std::string> ReadMetadataFile(Storage* storage, const std::string& name, uint64_t max_size) {
+  const std::string path = JoinKey(storage->Describe(), name);
+  Result<std::unique_ptr<ReadableFile>> f = storage->NewReadableFile(name);
+  if (!f.ok() && f.status().code() == StatusCode::kNotFound) {
+    return NotFoundError(path + ": no DCP metadata file");
+  }
+  if (!f.ok()) return DataLossError(path + ": cannot open DCP metadata: " + f.status().message());
+  if ((*f)->Size() > max_size) {
+    return DataLossError(path + ": DCP metadata larger than " + std::to_string(max_size) +
+                         " bytes");
+  }
+  std::string raw((*f)->Size(), '\0');
+  Status s = (*f)->ReadAt(0, raw.data(), raw.size());
+  if (!s.ok()) return DataLossError(path + ": cannot read DCP metadata: " + s.message());
+  return raw;
+}
+
 }  // namespace cairn::stock

@@ -421,5 +421,32 @@ TEST_F(StockReadTest, LargeItemIsReadInPiecesAndVerified) {
   EXPECT_EQ(Read({r}).code(), StatusCode::kDataLoss);
 }
 
+Status PutFile(Storage* s, const std::string& key, const std::string& bytes) {
+  CAIRN_ASSIGN_OR_RETURN(auto f, s->NewWritableFile(key));
+  CAIRN_RETURN_IF_ERROR(f->WriteAt(0, bytes.data(), bytes.size()));
+  return f->Close();
+}
+
+TEST(StockMetadataTest, AStockCheckpointHasAPickledMetadataFile) {
+  auto st = NewMemStorage();
+  EXPECT_FALSE(IsStockCheckpoint(st.get()));
+  ASSERT_TRUE(PutFile(st.get(), ".metadata", "not a pickle").ok());
+  EXPECT_FALSE(IsStockCheckpoint(st.get()));
+  ASSERT_TRUE(PutFile(st.get(), "__0.metadata", "\x80\x04rest").ok());  // rank-local
+  EXPECT_TRUE(IsStockCheckpoint(st.get()));
+}
+
+TEST(StockMetadataTest, MetadataFileIsReadWholeOrRefusedWhenMissingOrTooLarge) {
+  auto st = NewMemStorage();
+  auto missing = ReadMetadataFile(st.get(), ".metadata", 100);
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("no DCP metadata file"), std::string::npos);
+  ASSERT_TRUE(PutFile(st.get(), ".metadata", std::string(64, 'x')).ok());
+  EXPECT_EQ(ReadMetadataFile(st.get(), ".metadata", 100).value(), std::string(64, 'x'));
+  auto big = ReadMetadataFile(st.get(), ".metadata", 63);
+  EXPECT_EQ(big.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(big.status().message().find("larger than 63 bytes"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace cairn::stock
