@@ -9,16 +9,6 @@
 
 namespace cairn::cli {
 
-std::string HumanBytes(uint64_t n) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1024 && u < 4) v /= 1024, ++u;
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), u ? "%.1f %s" : "%.0f %s", v, units[u]);
-  return buf;
-}
-
 namespace {
 
 std::string Owners(const MemoryTierInfo& t) {
