@@ -60,7 +60,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -125,7 +128,9 @@ class _StagingWriter(StorageWriter):
         self.slot = slot
         self.is_coordinator = False
         self.metadata: Metadata | None = None
-        self.results: list[list[WriteResult]] | None = None
+        self.plans: list[SavePlan] | None = None  # every rank's plan (the coordinator)
+        self.plan: SavePlan | None = None  # this rank's plan
+        self.planner: SavePlanner | None = None
         self.local_results: list[WriteResult] = []
         self.staged: Any = None  # the _ext.StagedSave of this rank's items
         self.used = 0
@@ -142,10 +147,12 @@ class _StagingWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self.plans = plans
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         mgr = self.mgr
+        self.plan, self.planner = plan, planner
         key = _ext.data_file_key(mgr.rank)
         sources = []  # tensors, or uint8 arrays over BYTE_IO values
         for item in plan.items:
@@ -176,8 +183,10 @@ class _StagingWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        # The results are rebuilt by the coordinator from every rank's plan and the
+        # (offsets, lengths) each rank gathers in the background (_Save.everyone),
+        # as they are for a save staged without DCP (_PlanCache).
         self.metadata = metadata
-        self.results = results
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -185,6 +194,67 @@ class _StagingWriter(StorageWriter):
 
     def storage_meta(self):
         return None
+
+
+def _state_dict_of(state: dict[str, Any]) -> dict[str, Any]:
+    """What dcp.save saves of `state`: each Stateful replaced by its state_dict()."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
+def _plan_signature(flat: dict[str, Any]) -> tuple | None:
+    """What DCP's plan and metadata of a flattened state dict depend on: every key,
+    and for a tensor its dtype, shape, layout, requires_grad and pinning (the
+    metadata's TensorProperties; DCP's dedup balances by dtype and shape). None when
+    the plan cannot be reused: a tensor subclass (DTensor, ShardedTensor, ...),
+    whose shards and placement are planned anew each time."""
+    sig = []
+    plain = (torch.Tensor, torch.nn.Parameter)
+    for fqn, v in flat.items():
+        if type(v) in plain:
+            sig.append((fqn, v.dtype, v.shape, v.layout, v.requires_grad, v.is_pinned()))
+        elif isinstance(v, torch.Tensor):
+            return None
+        else:
+            sig.append((fqn,))  # a BYTE_IO item, whatever its value
+    return tuple(sig)
+
+
+@dataclasses.dataclass
+class _PlanCache:
+    """The plan of the last save that went through dcp.save, reused while the state
+    dict's structure is unchanged (what DCP's own plan caching does, but skipping
+    its planning and collectives altogether: the stall is then the copy).
+
+    Valid for a state whose flattened dict has the same ``signature``
+    (_plan_signature) and ``mappings`` (DCP's planner_data); with several ranks,
+    every rank must agree it holds (one all-reduce). ``plans`` is every rank's plan
+    (the coordinator only), ``plan`` this rank's, ``metadata`` DCP's global
+    metadata: none of them depends on the values saved, only on the structure."""
+
+    signature: tuple
+    mappings: Any
+    plan: SavePlan
+    plans: list[SavePlan] | None
+    metadata: Metadata | None
+
+    @classmethod
+    def of(cls, writer: "_StagingWriter") -> "_PlanCache | None":
+        planner = writer.planner
+        flat = getattr(planner, "state_dict", None)
+        # Only the coordinator gets DCP's metadata and every rank's plan (it alone
+        # builds the manifests).
+        if (not isinstance(planner, DefaultSavePlanner) or not isinstance(flat, dict)
+                or writer.plan is None
+                or (writer.is_coordinator and (writer.plans is None or writer.metadata is None))):
+            return None
+        sig = _plan_signature(flat)
+        if sig is None:
+            return None
+        return cls(sig, getattr(planner, "mappings", None), writer.plan, writer.plans,
+                   writer.metadata)
+
+    def matches(self, flat: dict[str, Any], mappings: Any) -> bool:
+        return mappings == self.mappings and _plan_signature(flat) == self.signature
 
 
 @dataclasses.dataclass
@@ -286,6 +356,9 @@ class CheckpointManager:
         self._saves = 0
         self._history: list[dict[str, Any]] = []
         self._slot_held: int | None = None
+        # The plan of the last save through dcp.save, reused while the state's
+        # structure is unchanged (_PlanCache).
+        self._plan_cache: _PlanCache | None = None
         # Creates and pre-faults the next save's slot in the background (prepare()).
         self._prefault_thread: threading.Thread | None = None
         # (step, tier) of the last successful restore(), e.g. (20, "memory").
@@ -476,16 +549,28 @@ class CheckpointManager:
         slot = self._next_slot
         self._next_slot = (slot + 1) % self.num_slots
         t0 = time.perf_counter()
-        writer = _StagingWriter(self, slot)
-        try:
-            with warnings.catch_warnings():
-                # Single-process runs are fine: DCP's warning about it is noise here.
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save(state, storage_writer=writer, process_group=self.pg)
-        except BaseException as e:
-            self._release_slot()
-            _memory_budget.raise_budget_error(e)
-            raise
+        sd = _state_dict_of(state)
+        flat, mappings = flatten_state_dict(sd)
+        cache = self._plan_cache
+        hit = cache is not None and cache.matches(flat, mappings)
+        if self._dist:  # every rank stages without DCP, or none does
+            hit = self._all(hit)
+        if hit:
+            writer = self._stage_planned(cache, slot, flat, mappings)
+        else:
+            self._plan_cache = None
+            writer = _StagingWriter(self, slot)
+            try:
+                with warnings.catch_warnings():
+                    # Single-process runs are fine: DCP's warning about it is noise here.
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.save(sd, storage_writer=writer, process_group=self.pg)
+            except BaseException as e:
+                self._release_slot()
+                _memory_budget.raise_budget_error(e)
+                raise
+            self._plan_cache = _PlanCache.of(writer)
+            writer.planner = None  # it holds the state's tensors
         stall = time.perf_counter() - t0
         rec = _Save(step=step, slot=slot, durable=goes_durable, writer=writer, stall_s=stall,
                     started=time.perf_counter(), on_durable=on_durable if goes_durable else None)
@@ -494,6 +579,37 @@ class CheckpointManager:
         self._inflight = rec
         rec.thread.start()
         return goes_durable
+
+    def _stage_planned(self, cache: _PlanCache, slot: int, flat: dict[str, Any],
+                       mappings: Any) -> _StagingWriter:
+        """Stages `flat` with the cached plan: what dcp.save would do for a state of
+        this structure, without its planning. With several ranks, a staging error on
+        any rank fails the save on every rank (one all-reduce), as in dcp.save."""
+        writer = _StagingWriter(self, slot)
+        writer.is_coordinator = self.is_coordinator
+        planner = DefaultSavePlanner()
+        planner.state_dict, planner.mappings = flat, mappings
+        planner.is_coordinator = self.is_coordinator
+        err: BaseException | None = None
+        try:
+            writer.write_data(cache.plan, planner)
+        except BaseException as e:  # noqa: BLE001 - agreed on below
+            err = e
+        writer.planner = None
+        ok = self._all(err is None) if self._dist else err is None
+        if err is not None or not ok:
+            self._release_slot()
+            if err is not None:
+                raise err
+            raise Error("staging failed on another rank; this save was not started")
+        writer.plans, writer.metadata = cache.plans, cache.metadata
+        return writer
+
+    def _all(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank of the checkpoint group."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
+        return bool(t.item())
 
     def _release_slot(self) -> None:
         if self._slot_held is not None:
@@ -529,10 +645,10 @@ class CheckpointManager:
         except BaseException as e:
             err = f"rank {self.rank}: checksumming staged data: {e}"
         # b. everyone learns everyone's outcome.
-        mine = {"err": err, "sums": sums, "used": w.used, "capacity": w.capacity}
+        mine = {"err": err, "sums": sums, "used": w.used, "capacity": w.capacity,
+                "offsets": list(w.staged.offsets), "lengths": list(w.staged.lengths)}
         if self._repl.k and self._repl.multi:  # what replication needs, in the same gather
-            mine.update(offsets=list(w.staged.offsets), lengths=list(w.staged.lengths),
-                        repl=self._repl.offer(slot))
+            mine.update(repl=self._repl.offer(slot))
         everyone = self._gather(mine)
         errors = [o["err"] for o in everyone if o["err"]]
         if errors:
@@ -590,19 +706,22 @@ class CheckpointManager:
             self._prune(tier, keep)
 
     def _body(self, rec: _Save, everyone: list[dict], size_key: str) -> _ext.Manifest:
-        """The manifest of this save, with the per-rank file sizes of one tier."""
+        """The manifest of this save, with the per-rank file sizes of one tier: every
+        rank's plan items at the offsets and lengths that rank staged them."""
         w = rec.writer
-        assert w.metadata is not None and w.results is not None
+        assert w.metadata is not None and w.plans is not None
         results = []
-        for rank, rank_results in enumerate(w.results):
+        for rank, plan in enumerate(w.plans):
             info = everyone[rank]
-            fixed = []
-            for wr, sums in zip(rank_results, info["sums"]):
-                loc = wr.storage_data
-                fixed.append(dataclasses.replace(
-                    wr, storage_data=Location(loc.file, info[size_key], loc.offset,
-                                               loc.length, sums)))
-            results.append(fixed)
+            key = _ext.data_file_key(rank)
+            if len(plan.items) != len(info["offsets"]):
+                raise Error(f"rank {rank} staged {len(info['offsets'])} items of a plan of "
+                            f"{len(plan.items)}")
+            results.append([
+                WriteResult(index=item.index, size_in_bytes=length,
+                            storage_data=Location(key, info[size_key], off, length, sums))
+                for item, off, length, sums in zip(plan.items, info["offsets"],
+                                                    info["lengths"], info["sums"])])
         extra = {"save_id": uuid.uuid4().hex, "path": None,
                  "manager": {"step": rec.step, "run_id": self.run_id}}
         return manifest_from_metadata(w.metadata, results, int(_ext.DEFAULT_BLOCK_SIZE), extra)
