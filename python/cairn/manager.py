@@ -13,15 +13,22 @@ Tiers, fastest first:
 Protocol of one save (every rank; the coordinator is rank 0 of the checkpoint group):
   1. Wait for the previous save; if it failed, raise its error now (training may go on).
   2. Stage (blocking): ``dcp.save`` with a staging writer. DCP plans on the dedicated
-     gloo group; each rank's ``write_data`` uncommits the memory-tier checkpoint held by
-     the slot it is about to reuse and stages its items into that slot (a file in
-     shared memory, mapped once and pre-faulted, reused across saves) with the staging
+     gloo group. That plan is kept (``_PlanCache``): while the flattened state dict
+     keeps its structure (keys, and each tensor's dtype, shape and properties; plain
+     tensors only) on every rank (one all-reduce agrees on it), a save skips
+     ``dcp.save`` and stages with the kept plan, so its stall is the copy; a changed
+     structure on any rank plans anew on all. Each rank uncommits the memory-tier
+     checkpoint held by the slot it is about to reuse and stages its items into that
+     slot (a file in shared memory, mapped once and pre-faulted, reused across saves)
+     with the staging
      engine (``cairn._staging.SlotStager`` over the C++ ``StagingPool``): the data-file
      layout, one parallel memcpy, GPU tensors device-to-host on a side stream into the
      slot registered as pinned memory, padding zeroed. ``save()`` returns here.
-  3. Persist (a background thread whose I/O runs in C++ with the GIL released):
+  3. Persist (the manager's one background thread, whose I/O runs in C++ with the GIL
+     released; never in the stall):
      a. checksum this rank's items in the slot (one C++ call);
-     b. all-gather (checksums, sizes, error) on the checkpoint group;
+     b. all-gather (checksums, offsets, lengths, sizes, error) on the checkpoint group;
+        the coordinator builds the manifest from every rank's plan and these;
      c. commit the manifest into the slot directory (local rank 0 of every node):
         the memory tier now holds step N;
      d. for each slower tier this save goes to (local, then durable): every rank
@@ -48,6 +55,7 @@ import hashlib
 import logging
 import os
 import shutil
+import queue
 import threading
 import warnings
 import time
@@ -151,28 +159,16 @@ class _StagingWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        mgr = self.mgr
         self.plan, self.planner = plan, planner
-        key = _ext.data_file_key(mgr.rank)
         sources = []  # tensors, or uint8 arrays over BYTE_IO values
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:  # native encoding where it has one
                 sources.append(byte_source(value_bytes(planner, item)))
             else:
                 sources.append(planner.resolve_data(item).detach())
-        # Room for the slot on this node, checked before anything in it changes.
-        mgr._budget.check(self.slot, int(_ext.staged_bytes([staged_nbytes(s) for s in sources])))
-        # The slot may still hold an older memory-tier checkpoint: uncommit it before
-        # a single byte of it changes.
-        _ext.uncommit(mgr._slot_uri(self.slot))
-        staged, _ = mgr._stager.stage(self.slot, sources,
-                                      midway=lambda: _chaos.point("stage"))  # half written
-        mgr._slot_held = self.slot
-        del sources
-        self.staged = staged
-        self.used = int(staged.bytes)
-        self.capacity = int(staged.capacity)
-        self.address = int(staged.address)
+        self.stage(sources)
+        key = _ext.data_file_key(self.mgr.rank)
+        staged = self.staged
         self.local_results = [
             WriteResult(index=item.index, size_in_bytes=length,
                         storage_data=Location(key, self.capacity, off, length, ()))
@@ -181,6 +177,23 @@ class _StagingWriter(StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(self.local_results)
         return fut
+
+    def stage(self, sources: list[Any]) -> None:
+        """Stages this rank's items (`sources`, in plan order) into the slot."""
+        mgr = self.mgr
+        lengths = [staged_nbytes(s) for s in sources]
+        # Room for the slot on this node, checked before anything in it changes.
+        mgr._budget.check(self.slot, int(_ext.staged_bytes(lengths)))
+        # The slot may still hold an older memory-tier checkpoint: uncommit it before
+        # a single byte of it changes.
+        _ext.uncommit(mgr._slot_uri(self.slot))
+        staged, _ = mgr._stager.stage(self.slot, sources, lengths=lengths,
+                                      midway=lambda: _chaos.point("stage"))  # half written
+        mgr._slot_held = self.slot
+        self.staged = staged
+        self.used = int(staged.bytes)
+        self.capacity = int(staged.capacity)
+        self.address = int(staged.address)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # The results are rebuilt by the coordinator from every rank's plan and the
@@ -236,6 +249,11 @@ class _PlanCache:
     plan: SavePlan
     plans: list[SavePlan] | None
     metadata: Metadata | None
+    # this rank's items in plan order: (fqn, whether a BYTE_IO value)
+    items: list[tuple[str, bool]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.items = [(it.index.fqn, it.type == WriteItemType.BYTE_IO) for it in self.plan.items]
 
     @classmethod
     def of(cls, writer: "_StagingWriter") -> "_PlanCache | None":
@@ -257,6 +275,55 @@ class _PlanCache:
         return mappings == self.mappings and _plan_signature(flat) == self.signature
 
 
+class _Background:
+    """One long-lived thread that runs the manager's background jobs (persisting a
+    save) one after another. Handing it a job does not block: starting a fresh
+    thread per save would (``Thread.start`` waits until the new thread holds the
+    GIL, milliseconds under load), and that wait would be part of the stall.
+
+    Used from the manager's thread only; a forked child (a DataLoader worker)
+    inherits no thread and starts its own on its first job."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._jobs = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, args=(self._jobs,),
+                                            name=self._name, daemon=True)
+            self._thread.start()
+
+    def submit(self, fn: Any, *args: Any) -> threading.Event:
+        """Queues ``fn(*args)``; the returned event is set once it has returned (fn
+        keeps its own errors: one that escapes is logged)."""
+        self.start()
+        done = threading.Event()
+        self._jobs.put((fn, args, done))
+        return done
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue) -> None:
+        while True:
+            fn, args, done = jobs.get()
+            if fn is None:
+                return
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - the job records its own errors
+                log.exception("cairn: background job failed")
+            finally:
+                done.set()
+
+    def close(self) -> None:
+        """Stops the thread once the jobs queued so far have run (does not wait)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._jobs.put((None, (), None))
+        self._thread = None
+
+
 @dataclasses.dataclass
 class _Save:
     step: int
@@ -265,7 +332,7 @@ class _Save:
     writer: _StagingWriter
     stall_s: float
     started: float
-    thread: threading.Thread | None = None
+    done: threading.Event | None = None  # set once the background job has returned
     error: BaseException | None = None
     persist_s: float = 0.0
     everyone: list[dict] | None = None  # per-rank checksums and sizes, once gathered
@@ -361,6 +428,8 @@ class CheckpointManager:
         self._plan_cache: _PlanCache | None = None
         # Creates and pre-faults the next save's slot in the background (prepare()).
         self._prefault_thread: threading.Thread | None = None
+        # Persists saves in the background (one thread for the manager's life).
+        self._background = _Background("cairn-persist")
         # (step, tier) of the last successful restore(), e.g. (20, "memory").
         self.restored: tuple[int, str] | None = None
 
@@ -408,6 +477,7 @@ class CheckpointManager:
         # Tests route CPU tensors through the device staging path (its CPU fallback).
         self._device_path_for_tests = False
         self._next_slot = self._agree(self._oldest_slot() if self.is_coordinator else 0)
+        self._background.start()
 
     # ---- small helpers -----------------------------------------------------------
 
@@ -574,10 +644,8 @@ class CheckpointManager:
         stall = time.perf_counter() - t0
         rec = _Save(step=step, slot=slot, durable=goes_durable, writer=writer, stall_s=stall,
                     started=time.perf_counter(), on_durable=on_durable if goes_durable else None)
-        rec.thread = threading.Thread(target=self._persist, args=(rec,),
-                                      name=f"cairn-persist-{step}", daemon=True)
         self._inflight = rec
-        rec.thread.start()
+        rec.done = self._background.submit(self._persist, rec)
         return goes_durable
 
     def _stage_planned(self, cache: _PlanCache, slot: int, flat: dict[str, Any],
@@ -592,10 +660,16 @@ class CheckpointManager:
         planner.is_coordinator = self.is_coordinator
         err: BaseException | None = None
         try:
-            writer.write_data(cache.plan, planner)
+            # The cached plan holds whole plain tensors only (_plan_signature), so each
+            # tensor item is its flattened value, as DCP's resolve_data would find it.
+            sources = [byte_source(value_bytes(planner, item)) if is_bytes
+                       else flat[fqn].detach()
+                       for item, (fqn, is_bytes) in zip(cache.plan.items, cache.items)]
+            writer.plan = cache.plan
+            writer.stage(sources)
+            del sources
         except BaseException as e:  # noqa: BLE001 - agreed on below
             err = e
-        writer.planner = None
         ok = self._all(err is None) if self._dist else err is None
         if err is not None or not ok:
             self._release_slot()
@@ -753,9 +827,8 @@ class CheckpointManager:
             self._prefault_thread = None
         rec = self._inflight
         if rec is not None:
-            assert rec.thread is not None
-            rec.thread.join(self.timeout if timeout is None else timeout)
-            if rec.thread.is_alive():
+            assert rec.done is not None
+            if not rec.done.wait(self.timeout if timeout is None else timeout):
                 raise TimeoutError(f"checkpoint of step {rec.step} still persisting after "
                                    f"{self.timeout if timeout is None else timeout:.0f}s")
             self._inflight = None
@@ -801,11 +874,11 @@ class CheckpointManager:
                 last.durable = True
                 last.started = time.perf_counter()
                 self._inflight = last
-                last.thread = threading.Thread(target=self._flush, args=(last,), daemon=True)
-                last.thread.start()
+                last.done = self._background.submit(self._flush, last)
                 self.wait()
         finally:
             self._closed = True
+            self._background.close()
             if self._stager_obj is not None:
                 try:
                     self._stager_obj.unpin_all()

@@ -5,6 +5,8 @@ rank fails the save on every rank."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -19,7 +21,8 @@ def _state(rank, scale, extra=False, lr=0.1):
     are stored)."""
     torch.manual_seed(rank)
     s = {
-        "model": {f"r{rank}.w": torch.randn(64, 32) * scale, f"r{rank}.b": torch.arange(8.0) * scale,
+        "model": {f"r{rank}.w": torch.randn(64, 32) * scale,
+                  f"r{rank}.b": torch.arange(8.0) * scale,
                   "shared": torch.full((16,), float(scale))},
         "meta": {"lr": lr, "name": f"s{scale}", "ints": [1, 2, 3]},
     }
@@ -139,7 +142,6 @@ def _fails_on_rank1(rank, world, root):
     finally:
         mgr.close()
     step, got = _restore_into(root, state, memory=False)
-    import os
     return errors, sorted(n for n in os.listdir(root) if n.startswith("step_")), step, \
         _equal(got, state)
 
