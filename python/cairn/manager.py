@@ -316,6 +316,9 @@ class _Background:
                 log.exception("cairn: background job failed")
             finally:
                 done.set()
+                # An idle thread holds no reference to the manager or its save, so
+                # an unclosed manager is still freed (a daemon thread's frame never is).
+                del fn, args, done
 
     def close(self) -> None:
         """Stops the thread once the jobs queued so far have run (does not wait)."""
