@@ -17,10 +17,11 @@ Protocol of one save (every rank; the coordinator is rank 0 of the checkpoint gr
      keeps its structure (keys, and each tensor's dtype, shape and properties; plain
      tensors only) on every rank (one all-reduce agrees on it), a save skips
      ``dcp.save`` and stages with the kept plan, so its stall is the copy; a changed
-     structure on any rank plans anew on all. Each rank uncommits the memory-tier
-     checkpoint held by the slot it is about to reuse and stages its items into that
-     slot (a file in shared memory, mapped once and pre-faulted, reused across saves)
-     with the staging
+     structure on any rank plans anew on all. restore() plans the first save ahead
+     (``_plan_ahead``), so it too is staged like a steady one. Each rank uncommits
+     the memory-tier checkpoint held by the slot it is about to reuse and stages its
+     items into that slot (a file in shared memory, mapped once and pre-faulted,
+     reused across saves) with the staging
      engine (``cairn._staging.SlotStager`` over the C++ ``StagingPool``): the data-file
      layout, one parallel memcpy, GPU tensors device-to-host on a side stream into the
      slot registered as pinned memory, padding zeroed. ``save()`` returns here.
@@ -207,6 +208,17 @@ class _StagingWriter(StorageWriter):
 
     def storage_meta(self):
         return None
+
+
+class _PlanningWriter(_StagingWriter):
+    """A ``_StagingWriter`` that keeps DCP's plan and stages nothing (planning a save
+    ahead: CheckpointManager._plan_ahead)."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.plan, self.planner = plan, planner
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result([])
+        return fut
 
 
 def _state_dict_of(state: dict[str, Any]) -> dict[str, Any]:
@@ -966,6 +978,7 @@ class CheckpointManager:
         everyone = self._gather(sorted({(s, t) for s, t, _ in mine}))
         common = set.intersection(*({s for s, _ in c} for c in everyone)) if everyone else set()
         if not common:
+            self._plan_ahead(state)
             self.prepare(state)
             return None
         bad: set[tuple[int, str]] = set()
@@ -1012,6 +1025,7 @@ class CheckpointManager:
                     self.restored = (step, choice[1])
                     if choice[1] == "memory":
                         _memory_budget.mark_restored(self._lease)
+                    self._plan_ahead(state)
                     self.prepare(state, nbytes=self._restored_bytes(reader))
                     return step
                 bad.add((step, choice[1]))
@@ -1043,6 +1057,8 @@ class CheckpointManager:
         This opens the staging pool, so a DataLoader forked after it inherits the slot
         files (its workers exit with the trainer, see docs/memory.md)."""
         self._check_open()
+        if self.world == 1 and self._plan_cache is None:
+            self._plan_ahead(state)  # restore() does it on every rank (a collective)
         if not self.memory or self._prefault_thread is not None:
             return
         if nbytes is None:
@@ -1064,6 +1080,21 @@ class CheckpointManager:
 
         self._prefault_thread = threading.Thread(target=run, name="cairn-prefault", daemon=True)
         self._prefault_thread.start()
+
+    def _plan_ahead(self, state: dict[str, Any]) -> None:
+        """Plans a save of `state` now (DCP's planning, nothing staged), so the first
+        save() stages with that plan like a steady one (_PlanCache). Collective: every
+        rank calls it (restore() does). A failure only means the first save plans."""
+        writer = _PlanningWriter(self, self._next_slot)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(_state_dict_of(state), storage_writer=writer, process_group=self.pg)
+            self._plan_cache = _PlanCache.of(writer)
+        except Exception as e:  # noqa: BLE001 - the first save plans instead
+            log.info("cairn: planning the first save ahead: %s", e)
+            self._plan_cache = None
+        writer.planner = None
 
     def _load(self, state: dict[str, Any], reader: Reader) -> None:
         keys = set(reader.read_metadata().state_dict_metadata)

@@ -180,3 +180,27 @@ def test_single_process_bytes_values_and_dtype_change(tmp_path):
             assert _equal(dest, want)
     finally:
         undo()
+
+
+def _first_save_planned_by_restore(rank, world, root):
+    calls, undo = _counting_dcp_saves()
+    mgr = cairn.CheckpointManager(root, keep=5)
+    try:
+        state = _state(rank, 1.0)
+        assert mgr.restore(state) is None
+        planned_by_restore = len(calls)
+        mgr.save(1, state)
+        mgr.wait()
+        planned_by_save = len(calls) - planned_by_restore
+    finally:
+        mgr.close()
+        undo()
+    step, got = _restore_into(root, state, memory=False)
+    return planned_by_restore, planned_by_save, step, _equal(got, state)
+
+
+def test_restore_plans_the_first_save_ahead(tmp_path):
+    """restore() (here with nothing to restore) plans the first save on every rank,
+    so the first save() stages like a steady one; what it saved restores exactly."""
+    results = run_ranks(2, _first_save_planned_by_restore, str(tmp_path))
+    assert results == [(1, 0, 1, True), (1, 0, 1, True)]
