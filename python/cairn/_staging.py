@@ -77,12 +77,15 @@ class SlotStager:
 
     def stage(self, slot: int, sources: Sequence[Any], *,
               midway: Callable[[], None] | None = None,
-              views: bool = False) -> tuple[Any, list[torch.Tensor | None]]:
+              views: bool = False,
+              lengths: list[int] | None = None) -> tuple[Any, list[torch.Tensor | None]]:
         """Stages `sources` into slot `slot` (which must not be acquired). Returns the
         ``_ext.StagedSave`` (item i at ``offsets[i]``) and, with `views`, a CPU tensor
         over the slot for every tensor source (same dtype and shape; None for byte
-        buffers and empty tensors). The slot stays acquired until released."""
-        lengths = [staged_nbytes(s) for s in sources]
+        buffers and empty tensors). The slot stays acquired until released.
+        `lengths`, when given, is ``[staged_nbytes(s) for s in sources]``."""
+        if lengths is None:
+            lengths = [staged_nbytes(s) for s in sources]
         save = self._begin(slot, lengths)
         try:
             out = self._fill(save, sources, lengths, midway, views)

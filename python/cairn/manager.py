@@ -13,15 +13,23 @@ Tiers, fastest first:
 Protocol of one save (every rank; the coordinator is rank 0 of the checkpoint group):
   1. Wait for the previous save; if it failed, raise its error now (training may go on).
   2. Stage (blocking): ``dcp.save`` with a staging writer. DCP plans on the dedicated
-     gloo group; each rank's ``write_data`` uncommits the memory-tier checkpoint held by
-     the slot it is about to reuse and stages its items into that slot (a file in
-     shared memory, mapped once and pre-faulted, reused across saves) with the staging
+     gloo group. That plan is kept (``_PlanCache``): while the flattened state dict
+     keeps its structure (keys, and each tensor's dtype, shape and properties; plain
+     tensors only) on every rank (one all-reduce agrees on it), a save skips
+     ``dcp.save`` and stages with the kept plan, so its stall is the copy; a changed
+     structure on any rank plans anew on all. restore() plans the first save ahead
+     (``_plan_ahead``), so it too is staged like a steady one. Each rank uncommits
+     the memory-tier checkpoint held by the slot it is about to reuse and stages its
+     items into that slot (a file in shared memory, mapped once and pre-faulted,
+     reused across saves) with the staging
      engine (``cairn._staging.SlotStager`` over the C++ ``StagingPool``): the data-file
      layout, one parallel memcpy, GPU tensors device-to-host on a side stream into the
      slot registered as pinned memory, padding zeroed. ``save()`` returns here.
-  3. Persist (a background thread whose I/O runs in C++ with the GIL released):
+  3. Persist (the manager's one background thread, whose I/O runs in C++ with the GIL
+     released; never in the stall):
      a. checksum this rank's items in the slot (one C++ call);
-     b. all-gather (checksums, sizes, error) on the checkpoint group;
+     b. all-gather (checksums, offsets, lengths, sizes, error) on the checkpoint group;
+        the coordinator builds the manifest from every rank's plan and these;
      c. commit the manifest into the slot directory (local rank 0 of every node):
         the memory tier now holds step N;
      d. for each slower tier this save goes to (local, then durable): every rank
@@ -48,6 +56,7 @@ import hashlib
 import logging
 import os
 import shutil
+import queue
 import threading
 import warnings
 import time
@@ -60,7 +69,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -125,7 +137,9 @@ class _StagingWriter(StorageWriter):
         self.slot = slot
         self.is_coordinator = False
         self.metadata: Metadata | None = None
-        self.results: list[list[WriteResult]] | None = None
+        self.plans: list[SavePlan] | None = None  # every rank's plan (the coordinator)
+        self.plan: SavePlan | None = None  # this rank's plan
+        self.planner: SavePlanner | None = None
         self.local_results: list[WriteResult] = []
         self.staged: Any = None  # the _ext.StagedSave of this rank's items
         self.used = 0
@@ -142,30 +156,20 @@ class _StagingWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self.plans = plans
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        mgr = self.mgr
-        key = _ext.data_file_key(mgr.rank)
+        self.plan, self.planner = plan, planner
         sources = []  # tensors, or uint8 arrays over BYTE_IO values
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:  # native encoding where it has one
                 sources.append(byte_source(value_bytes(planner, item)))
             else:
                 sources.append(planner.resolve_data(item).detach())
-        # Room for the slot on this node, checked before anything in it changes.
-        mgr._budget.check(self.slot, int(_ext.staged_bytes([staged_nbytes(s) for s in sources])))
-        # The slot may still hold an older memory-tier checkpoint: uncommit it before
-        # a single byte of it changes.
-        _ext.uncommit(mgr._slot_uri(self.slot))
-        staged, _ = mgr._stager.stage(self.slot, sources,
-                                      midway=lambda: _chaos.point("stage"))  # half written
-        mgr._slot_held = self.slot
-        del sources
-        self.staged = staged
-        self.used = int(staged.bytes)
-        self.capacity = int(staged.capacity)
-        self.address = int(staged.address)
+        self.stage(sources)
+        key = _ext.data_file_key(self.mgr.rank)
+        staged = self.staged
         self.local_results = [
             WriteResult(index=item.index, size_in_bytes=length,
                         storage_data=Location(key, self.capacity, off, length, ()))
@@ -175,9 +179,28 @@ class _StagingWriter(StorageWriter):
         fut.set_result(self.local_results)
         return fut
 
+    def stage(self, sources: list[Any]) -> None:
+        """Stages this rank's items (`sources`, in plan order) into the slot."""
+        mgr = self.mgr
+        lengths = [staged_nbytes(s) for s in sources]
+        # Room for the slot on this node, checked before anything in it changes.
+        mgr._budget.check(self.slot, int(_ext.staged_bytes(lengths)))
+        # The slot may still hold an older memory-tier checkpoint: uncommit it before
+        # a single byte of it changes.
+        _ext.uncommit(mgr._slot_uri(self.slot))
+        staged, _ = mgr._stager.stage(self.slot, sources, lengths=lengths,
+                                      midway=lambda: _chaos.point("stage"))  # half written
+        mgr._slot_held = self.slot
+        self.staged = staged
+        self.used = int(staged.bytes)
+        self.capacity = int(staged.capacity)
+        self.address = int(staged.address)
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        # The results are rebuilt by the coordinator from every rank's plan and the
+        # (offsets, lengths) each rank gathers in the background (_Save.everyone),
+        # as they are for a save staged without DCP (_PlanCache).
         self.metadata = metadata
-        self.results = results
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -185,6 +208,135 @@ class _StagingWriter(StorageWriter):
 
     def storage_meta(self):
         return None
+
+
+class _PlanningWriter(_StagingWriter):
+    """A ``_StagingWriter`` that keeps DCP's plan and stages nothing (planning a save
+    ahead: CheckpointManager._plan_ahead)."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.plan, self.planner = plan, planner
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result([])
+        return fut
+
+
+def _state_dict_of(state: dict[str, Any]) -> dict[str, Any]:
+    """What dcp.save saves of `state`: each Stateful replaced by its state_dict()."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
+def _plan_signature(flat: dict[str, Any]) -> tuple | None:
+    """What DCP's plan and metadata of a flattened state dict depend on: every key,
+    and for a tensor its dtype, shape, layout, requires_grad and pinning (the
+    metadata's TensorProperties; DCP's dedup balances by dtype and shape). None when
+    the plan cannot be reused: a tensor subclass (DTensor, ShardedTensor, ...),
+    whose shards and placement are planned anew each time."""
+    sig = []
+    plain = (torch.Tensor, torch.nn.Parameter)
+    for fqn, v in flat.items():
+        if type(v) in plain:
+            sig.append((fqn, v.dtype, v.shape, v.layout, v.requires_grad, v.is_pinned()))
+        elif isinstance(v, torch.Tensor):
+            return None
+        else:
+            sig.append((fqn,))  # a BYTE_IO item, whatever its value
+    return tuple(sig)
+
+
+@dataclasses.dataclass
+class _PlanCache:
+    """The plan of the last save that went through dcp.save, reused while the state
+    dict's structure is unchanged (what DCP's own plan caching does, but skipping
+    its planning and collectives altogether: the stall is then the copy).
+
+    Valid for a state whose flattened dict has the same ``signature``
+    (_plan_signature) and ``mappings`` (DCP's planner_data); with several ranks,
+    every rank must agree it holds (one all-reduce). ``plans`` is every rank's plan
+    (the coordinator only), ``plan`` this rank's, ``metadata`` DCP's global
+    metadata: none of them depends on the values saved, only on the structure."""
+
+    signature: tuple
+    mappings: Any
+    plan: SavePlan
+    plans: list[SavePlan] | None
+    metadata: Metadata | None
+    # this rank's items in plan order: (fqn, whether a BYTE_IO value)
+    items: list[tuple[str, bool]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.items = [(it.index.fqn, it.type == WriteItemType.BYTE_IO) for it in self.plan.items]
+
+    @classmethod
+    def of(cls, writer: "_StagingWriter") -> "_PlanCache | None":
+        planner = writer.planner
+        flat = getattr(planner, "state_dict", None)
+        # Only the coordinator gets DCP's metadata and every rank's plan (it alone
+        # builds the manifests).
+        if (not isinstance(planner, DefaultSavePlanner) or not isinstance(flat, dict)
+                or writer.plan is None
+                or (writer.is_coordinator and (writer.plans is None or writer.metadata is None))):
+            return None
+        sig = _plan_signature(flat)
+        if sig is None:
+            return None
+        return cls(sig, getattr(planner, "mappings", None), writer.plan, writer.plans,
+                   writer.metadata)
+
+    def matches(self, flat: dict[str, Any], mappings: Any) -> bool:
+        return mappings == self.mappings and _plan_signature(flat) == self.signature
+
+
+class _Background:
+    """One long-lived thread that runs the manager's background jobs (persisting a
+    save) one after another. Handing it a job does not block: starting a fresh
+    thread per save would (``Thread.start`` waits until the new thread holds the
+    GIL, milliseconds under load), and that wait would be part of the stall.
+
+    Used from the manager's thread only; a forked child (a DataLoader worker)
+    inherits no thread and starts its own on its first job."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._jobs = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, args=(self._jobs,),
+                                            name=self._name, daemon=True)
+            self._thread.start()
+
+    def submit(self, fn: Any, *args: Any) -> threading.Event:
+        """Queues ``fn(*args)``; the returned event is set once it has returned (fn
+        keeps its own errors: one that escapes is logged)."""
+        self.start()
+        done = threading.Event()
+        self._jobs.put((fn, args, done))
+        return done
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue) -> None:
+        while True:
+            fn, args, done = jobs.get()
+            if fn is None:
+                return
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - the job records its own errors
+                log.exception("cairn: background job failed")
+            finally:
+                done.set()
+                # An idle thread holds no reference to the manager or its save, so
+                # an unclosed manager is still freed (a daemon thread's frame never is).
+                del fn, args, done
+
+    def close(self) -> None:
+        """Stops the thread once the jobs queued so far have run (does not wait)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._jobs.put((None, (), None))
+        self._thread = None
 
 
 @dataclasses.dataclass
@@ -195,7 +347,7 @@ class _Save:
     writer: _StagingWriter
     stall_s: float
     started: float
-    thread: threading.Thread | None = None
+    done: threading.Event | None = None  # set once the background job has returned
     error: BaseException | None = None
     persist_s: float = 0.0
     everyone: list[dict] | None = None  # per-rank checksums and sizes, once gathered
@@ -304,8 +456,13 @@ class CheckpointManager:
         self._saves = 0
         self._history: list[dict[str, Any]] = []
         self._slot_held: int | None = None
+        # The plan of the last save through dcp.save, reused while the state's
+        # structure is unchanged (_PlanCache).
+        self._plan_cache: _PlanCache | None = None
         # Creates and pre-faults the next save's slot in the background (prepare()).
         self._prefault_thread: threading.Thread | None = None
+        # Persists saves in the background (one thread for the manager's life).
+        self._background = _Background("cairn-persist")
         # (step, tier) of the last successful restore(), e.g. (20, "memory").
         self.restored: tuple[int, str] | None = None
 
@@ -356,6 +513,7 @@ class CheckpointManager:
         # Tests route CPU tensors through the device staging path (its CPU fallback).
         self._device_path_for_tests = False
         self._next_slot = self._agree(self._oldest_slot() if self.is_coordinator else 0)
+        self._background.start()
 
     # ---- small helpers -----------------------------------------------------------
 
@@ -501,24 +659,71 @@ class CheckpointManager:
         slot = self._next_slot
         self._next_slot = (slot + 1) % self.num_slots
         t0 = time.perf_counter()
-        writer = _StagingWriter(self, slot)
-        try:
-            with warnings.catch_warnings():
-                # Single-process runs are fine: DCP's warning about it is noise here.
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save(state, storage_writer=writer, process_group=self.pg)
-        except BaseException as e:
-            self._release_slot()
-            _memory_budget.raise_budget_error(e)
-            raise
+        sd = _state_dict_of(state)
+        flat, mappings = flatten_state_dict(sd)
+        cache = self._plan_cache
+        hit = cache is not None and cache.matches(flat, mappings)
+        if self._dist:  # every rank stages without DCP, or none does
+            hit = self._all(hit)
+        if hit:
+            writer = self._stage_planned(cache, slot, flat, mappings)
+        else:
+            self._plan_cache = None
+            writer = _StagingWriter(self, slot)
+            try:
+                with warnings.catch_warnings():
+                    # Single-process runs are fine: DCP's warning about it is noise here.
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.save(sd, storage_writer=writer, process_group=self.pg)
+            except BaseException as e:
+                self._release_slot()
+                _memory_budget.raise_budget_error(e)
+                raise
+            self._plan_cache = _PlanCache.of(writer)
+            writer.planner = None  # it holds the state's tensors
         stall = time.perf_counter() - t0
         rec = _Save(step=step, slot=slot, durable=goes_durable, writer=writer, stall_s=stall,
                     started=time.perf_counter(), on_durable=on_durable if goes_durable else None)
-        rec.thread = threading.Thread(target=self._persist, args=(rec,),
-                                      name=f"cairn-persist-{step}", daemon=True)
         self._inflight = rec
-        rec.thread.start()
+        rec.done = self._background.submit(self._persist, rec)
         return goes_durable
+
+    def _stage_planned(self, cache: _PlanCache, slot: int, flat: dict[str, Any],
+                       mappings: Any) -> _StagingWriter:
+        """Stages `flat` with the cached plan: what dcp.save would do for a state of
+        this structure, without its planning. With several ranks, a staging error on
+        any rank fails the save on every rank (one all-reduce), as in dcp.save."""
+        writer = _StagingWriter(self, slot)
+        writer.is_coordinator = self.is_coordinator
+        planner = DefaultSavePlanner()
+        planner.state_dict, planner.mappings = flat, mappings
+        planner.is_coordinator = self.is_coordinator
+        err: BaseException | None = None
+        try:
+            # The cached plan holds whole plain tensors only (_plan_signature), so each
+            # tensor item is its flattened value, as DCP's resolve_data would find it.
+            sources = [byte_source(value_bytes(planner, item)) if is_bytes
+                       else flat[fqn].detach()
+                       for item, (fqn, is_bytes) in zip(cache.plan.items, cache.items)]
+            writer.plan = cache.plan
+            writer.stage(sources)
+            del sources
+        except BaseException as e:  # noqa: BLE001 - agreed on below
+            err = e
+        ok = self._all(err is None) if self._dist else err is None
+        if err is not None or not ok:
+            self._release_slot()
+            if err is not None:
+                raise err
+            raise Error("staging failed on another rank; this save was not started")
+        writer.plans, writer.metadata = cache.plans, cache.metadata
+        return writer
+
+    def _all(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank of the checkpoint group."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
+        return bool(t.item())
 
     def _release_slot(self) -> None:
         if self._slot_held is not None:
@@ -554,10 +759,10 @@ class CheckpointManager:
         except BaseException as e:
             err = f"rank {self.rank}: checksumming staged data: {e}"
         # b. everyone learns everyone's outcome.
-        mine = {"err": err, "sums": sums, "used": w.used, "capacity": w.capacity}
+        mine = {"err": err, "sums": sums, "used": w.used, "capacity": w.capacity,
+                "offsets": list(w.staged.offsets), "lengths": list(w.staged.lengths)}
         if self._repl.k and self._repl.multi:  # what replication needs, in the same gather
-            mine.update(offsets=list(w.staged.offsets), lengths=list(w.staged.lengths),
-                        repl=self._repl.offer(slot))
+            mine.update(repl=self._repl.offer(slot))
         everyone = self._gather(mine)
         errors = [o["err"] for o in everyone if o["err"]]
         if errors:
@@ -615,19 +820,22 @@ class CheckpointManager:
             self._prune(tier, keep)
 
     def _body(self, rec: _Save, everyone: list[dict], size_key: str) -> _ext.Manifest:
-        """The manifest of this save, with the per-rank file sizes of one tier."""
+        """The manifest of this save, with the per-rank file sizes of one tier: every
+        rank's plan items at the offsets and lengths that rank staged them."""
         w = rec.writer
-        assert w.metadata is not None and w.results is not None
+        assert w.metadata is not None and w.plans is not None
         results = []
-        for rank, rank_results in enumerate(w.results):
+        for rank, plan in enumerate(w.plans):
             info = everyone[rank]
-            fixed = []
-            for wr, sums in zip(rank_results, info["sums"]):
-                loc = wr.storage_data
-                fixed.append(dataclasses.replace(
-                    wr, storage_data=Location(loc.file, info[size_key], loc.offset,
-                                               loc.length, sums)))
-            results.append(fixed)
+            key = _ext.data_file_key(rank)
+            if len(plan.items) != len(info["offsets"]):
+                raise Error(f"rank {rank} staged {len(info['offsets'])} items of a plan of "
+                            f"{len(plan.items)}")
+            results.append([
+                WriteResult(index=item.index, size_in_bytes=length,
+                            storage_data=Location(key, info[size_key], off, length, sums))
+                for item, off, length, sums in zip(plan.items, info["offsets"],
+                                                    info["lengths"], info["sums"])])
         extra = {"save_id": uuid.uuid4().hex, "path": None,
                  "manager": {"step": rec.step, "run_id": self.run_id}}
         return manifest_from_metadata(w.metadata, results, int(_ext.DEFAULT_BLOCK_SIZE), extra)
@@ -659,9 +867,8 @@ class CheckpointManager:
             self._prefault_thread = None
         rec = self._inflight
         if rec is not None:
-            assert rec.thread is not None
-            rec.thread.join(self.timeout if timeout is None else timeout)
-            if rec.thread.is_alive():
+            assert rec.done is not None
+            if not rec.done.wait(self.timeout if timeout is None else timeout):
                 raise TimeoutError(f"checkpoint of step {rec.step} still persisting after "
                                    f"{self.timeout if timeout is None else timeout:.0f}s")
             self._inflight = None
@@ -707,11 +914,11 @@ class CheckpointManager:
                 last.durable = True
                 last.started = time.perf_counter()
                 self._inflight = last
-                last.thread = threading.Thread(target=self._flush, args=(last,), daemon=True)
-                last.thread.start()
+                last.done = self._background.submit(self._flush, last)
                 self.wait()
         finally:
             self._closed = True
+            self._background.close()
             if self._stager_obj is not None:
                 try:
                     self._stager_obj.unpin_all()
@@ -802,6 +1009,7 @@ class CheckpointManager:
         everyone = self._gather(sorted({(s, t) for s, t, _ in mine}))
         common = set.intersection(*({s for s, _ in c} for c in everyone)) if everyone else set()
         if not common:
+            self._plan_ahead(state)
             self.prepare(state)
             return None
         bad: set[tuple[int, str]] = set()
@@ -850,6 +1058,7 @@ class CheckpointManager:
                     self.restored = (step, choice[1])
                     if choice[1] == "memory":
                         _memory_budget.mark_restored(self._lease)
+                    self._plan_ahead(state)
                     self.prepare(state, nbytes=self._restored_bytes(reader))
                     return step
                 bad.add((step, choice[1]))
@@ -881,6 +1090,8 @@ class CheckpointManager:
         This opens the staging pool, so a DataLoader forked after it inherits the slot
         files (its workers exit with the trainer, see docs/memory.md)."""
         self._check_open()
+        if self.world == 1 and self._plan_cache is None:
+            self._plan_ahead(state)  # restore() does it on every rank (a collective)
         if not self.memory or self._prefault_thread is not None:
             return
         if nbytes is None:
@@ -902,6 +1113,21 @@ class CheckpointManager:
 
         self._prefault_thread = threading.Thread(target=run, name="cairn-prefault", daemon=True)
         self._prefault_thread.start()
+
+    def _plan_ahead(self, state: dict[str, Any]) -> None:
+        """Plans a save of `state` now (DCP's planning, nothing staged), so the first
+        save() stages with that plan like a steady one (_PlanCache). Collective: every
+        rank calls it (restore() does). A failure only means the first save plans."""
+        writer = _PlanningWriter(self, self._next_slot)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(_state_dict_of(state), storage_writer=writer, process_group=self.pg)
+            self._plan_cache = _PlanCache.of(writer)
+        except Exception as e:  # noqa: BLE001 - the first save plans instead
+            log.info("cairn: planning the first save ahead: %s", e)
+            self._plan_cache = None
+        writer.planner = None
 
     def _load(self, state: dict[str, Any], reader: Reader) -> None:
         keys = set(reader.read_metadata().state_dict_metadata)

@@ -1,7 +1,22 @@
 // ParallelCopy and ParallelCopyOut (include/cairn/staging.h): validate every
 // span first, then copy them all in pieces spread over a ThreadPool.
+//
+// Why ParallelCopy streams. A staging copy writes far more bytes than the
+// caches hold, into a slot that nobody reads until the background checksum.
+// memcpy of a piece of a few MiB (a typical tensor) uses ordinary stores
+// below glibc's non-temporal threshold, so every destination line is first
+// read into the cache (read-for-ownership) and later evicted: three memory
+// passes for two. One memcpy of the whole state crosses the threshold and
+// streams, which is why it measured ~1.5x faster than per-tensor memcpys.
+// So pieces of at least kStreamMinBytes are copied with non-temporal stores
+// (SSE2, baseline on x86-64), fenced before the copy returns.
 #include <cstring>
 #include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define CAIRN_STREAM_COPY 1
+#endif
 
 #include "cairn/staging.h"
 #include "io/parallel.h"
@@ -38,9 +53,49 @@ void AddPieces(const char* src, char* dst, uint64_t nbytes, uint64_t piece_bytes
   }
 }
 
-void CopyPieces(const std::vector<Piece>& pieces, ThreadPool* pool) {
-  internal::ParallelFor(pieces.size(), pool, 0,
-                        [&](size_t i) { std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].n); });
+// Pieces smaller than this are memcpy'd: streaming pays off only past the
+// caches' reach, and small items are often read again soon.
+constexpr size_t kStreamMinBytes = size_t{256} << 10;
+
+// memcpy with non-temporal stores for the 16-byte-aligned bulk of `dst`; the
+// caller fences (_mm_sfence) before the bytes are handed on.
+void StreamCopy(char* dst, const char* src, size_t n) {
+#ifdef CAIRN_STREAM_COPY
+  size_t head = (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16;
+  if (head > n) head = n;
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  std::memcpy(dst + i, src + i, n - i);
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+void CopyPieces(const std::vector<Piece>& pieces, ThreadPool* pool, bool stream) {
+  internal::ParallelFor(pieces.size(), pool, 0, [&](size_t i) {
+    const Piece& p = pieces[i];
+    if (stream && p.n >= kStreamMinBytes) {
+      StreamCopy(p.dst, p.src, p.n);
+#ifdef CAIRN_STREAM_COPY
+      _mm_sfence();  // this thread's streaming stores are visible before it reports done
+#endif
+    } else {
+      std::memcpy(p.dst, p.src, p.n);
+    }
+  });
 }
 
 // One span of a copy, resolved: the caller's pointer (checked for null), the
@@ -56,7 +111,7 @@ struct ResolvedSpan {
 // in pieces on `pool`. `resolve(span)` gives the span's ResolvedSpan.
 template <typename Span, typename Resolve>
 Status CopySpans(uint64_t size, std::span<const Span> spans, ThreadPool* pool, uint64_t piece_bytes,
-                 Resolve resolve) {
+                 bool stream, Resolve resolve) {
   if (piece_bytes == 0) return InvalidArgumentError("copy piece size must be positive");
   size_t num_pieces = 0;
   for (size_t i = 0; i < spans.size(); ++i) {
@@ -70,7 +125,7 @@ Status CopySpans(uint64_t size, std::span<const Span> spans, ThreadPool* pool, u
     ResolvedSpan r = resolve(s);
     AddPieces(r.src, r.dst, s.nbytes, piece_bytes, &pieces);
   }
-  CopyPieces(pieces, pool);
+  CopyPieces(pieces, pool, stream);
   return Status::OK();
 }
 
@@ -78,7 +133,7 @@ Status CopySpans(uint64_t size, std::span<const Span> spans, ThreadPool* pool, u
 
 Status ParallelCopy(void* dst, uint64_t dst_size, std::span<const CopySpan> spans, ThreadPool* pool,
                     uint64_t piece_bytes) {
-  return CopySpans(dst_size, spans, pool, piece_bytes, [dst](const CopySpan& s) {
+  return CopySpans(dst_size, spans, pool, piece_bytes, /*stream=*/true, [dst](const CopySpan& s) {
     return ResolvedSpan{s.src, s.dst_offset, static_cast<const char*>(s.src),
                         static_cast<char*>(dst) + s.dst_offset};
   });
@@ -86,10 +141,11 @@ Status ParallelCopy(void* dst, uint64_t dst_size, std::span<const CopySpan> span
 
 Status ParallelCopyOut(const void* src, uint64_t src_size, std::span<const CopyOutSpan> spans,
                        ThreadPool* pool, uint64_t piece_bytes) {
-  return CopySpans(src_size, spans, pool, piece_bytes, [src](const CopyOutSpan& s) {
-    return ResolvedSpan{s.dst, s.src_offset, static_cast<const char*>(src) + s.src_offset,
-                        static_cast<char*>(s.dst)};
-  });
+  return CopySpans(
+      src_size, spans, pool, piece_bytes, /*stream=*/false, [src](const CopyOutSpan& s) {
+        return ResolvedSpan{s.dst, s.src_offset, static_cast<const char*>(src) + s.src_offset,
+                            static_cast<char*>(s.dst)};
+      });
 }
 
 }  // namespace cairn

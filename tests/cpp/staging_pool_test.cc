@@ -326,6 +326,27 @@ TEST(ParallelCopyTest, MatchesASerialCopyWithAndWithoutAPool) {
   EXPECT_EQ(ParallelCopy(nullptr, 0, {}, nullptr, 0).code(), StatusCode::kInvalidArgument);
 }
 
+TEST(ParallelCopyTest, LargePiecesAreExactAtAnyAlignment) {
+  // Pieces past the streaming threshold take the non-temporal path: every
+  // misalignment of source and destination, and lengths that are no multiple
+  // of 16 or 64, must copy exactly and leave the neighbouring bytes alone.
+  std::vector<char> src = Pattern((3 << 20) + 4096, 5);
+  ThreadPool threads(3);
+  for (uint64_t src_skew : {0, 1, 15, 33}) {
+    for (uint64_t dst_off : {0, 1, 7, 16, 63, 4096}) {
+      for (uint64_t n : {uint64_t{256} << 10, (uint64_t{1} << 20) + 17, uint64_t{3} << 20}) {
+        std::vector<char> dst(n + dst_off + 64, 0x5a);
+        CopySpan span{src.data() + src_skew, dst_off, n};
+        ASSERT_TRUE(ParallelCopy(dst.data(), dst.size(), {&span, 1}, &threads, 1 << 20).ok());
+        ASSERT_EQ(std::memcmp(dst.data() + dst_off, src.data() + src_skew, n), 0)
+            << src_skew << " " << dst_off << " " << n;
+        for (uint64_t i = 0; i < dst_off; ++i) ASSERT_EQ(dst[i], 0x5a);
+        for (uint64_t i = dst_off + n; i < dst.size(); ++i) ASSERT_EQ(dst[i], 0x5a);
+      }
+    }
+  }
+}
+
 TEST(ParallelCopyTest, FinishesOnTheCallerWhenThePoolIsBusy) {
   ThreadPool threads(1);
   std::mutex mu;

@@ -1,0 +1,206 @@
+"""CheckpointManager reuses DCP's plan while the state's structure is unchanged
+(manager._PlanCache): saves staged with the cached plan restore exactly, a changed
+structure on any rank is planned anew on every rank, and a staging failure on one
+rank fails the save on every rank."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import cairn
+from cairn import manager as manager_mod
+from gloo_harness import run_ranks
+
+
+def _state(rank, scale, extra=False, lr=0.1):
+    """Each rank's own tensors (keys of its own), a tensor every rank holds alike (a
+    replicated one, which DCP stores once) and non-tensor values (the coordinator's
+    are stored)."""
+    torch.manual_seed(rank)
+    s = {
+        "model": {f"r{rank}.w": torch.randn(64, 32) * scale,
+                  f"r{rank}.b": torch.arange(8.0) * scale,
+                  "shared": torch.full((16,), float(scale))},
+        "meta": {"lr": lr, "name": f"s{scale}", "ints": [1, 2, 3]},
+    }
+    if extra:
+        s["model"][f"r{rank}.new"] = torch.ones(3, 3, dtype=torch.float64) * scale
+    return s
+
+
+def _counting_dcp_saves():
+    """Counts dcp.save calls made by the manager (patched in this process)."""
+    calls = []
+    real = dcp.save
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    manager_mod.dcp.save = counted
+    return calls, lambda: setattr(manager_mod.dcp, "save", real)
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _restore_into(root, like, memory):
+    dest = {"model": {k: torch.zeros_like(v) for k, v in like["model"].items()},
+            "meta": {"lr": 0.0, "name": "", "ints": [0, 0, 0]}}
+    with cairn.CheckpointManager(root, memory=memory) as mgr:
+        step = mgr.restore(dest)
+    return step, dest
+
+
+def _repeated(rank, world, root):
+    calls, undo = _counting_dcp_saves()
+    mgr = cairn.CheckpointManager(root, keep=5)
+    try:
+        expected = {}
+        for step, scale, lr in ((1, 1.0, 0.1), (2, 2.0, 0.2), (3, 3.0, 0.3)):
+            state = _state(rank, scale, lr=lr)  # new tensors, same structure; lr changes
+            mgr.save(step, state)
+            mgr.wait()
+            expected[step] = state
+        planned = len(calls)
+        tiers = mgr._last.tiers_done
+    finally:
+        mgr.close()
+        undo()
+    step, got = _restore_into(root, expected[3], memory=False)
+    cairn.verify(f"{root}/step_0000000003")
+    cairn.verify(f"{root}/step_0000000002")
+    return planned, tiers, step, _equal(got, expected[3])
+
+
+def test_repeated_saves_reuse_the_plan_and_restore_exactly(tmp_path):
+    results = run_ranks(2, _repeated, str(tmp_path))
+    # One save through dcp.save (the first), two staged with its plan; values exact,
+    # including a non-tensor value that changed.
+    ok = (1, ["memory", "durable"], 3, True)
+    assert results == [ok, ok]
+
+
+def _structure_changes_on_one_rank(rank, world, root):
+    calls, undo = _counting_dcp_saves()
+    mgr = cairn.CheckpointManager(root, keep=5)
+    try:
+        mgr.save(1, _state(rank, 1.0))
+        mgr.wait()
+        # Only rank 1 gains a tensor: both ranks must plan again (else rank 0 would
+        # stage with a plan that does not know rank 1's new item).
+        state = _state(rank, 2.0, extra=(rank == 1))
+        mgr.save(2, state)
+        mgr.wait()
+        planned_after_change = len(calls)
+        mgr.save(3, state)  # unchanged since step 2: the new plan is reused
+        mgr.wait()
+        planned_total = len(calls)
+    finally:
+        mgr.close()
+        undo()
+    step, got = _restore_into(root, state, memory=False)
+    return planned_after_change, planned_total, step, _equal(got, state)
+
+
+def test_changed_structure_on_one_rank_is_planned_anew_on_every_rank(tmp_path):
+    results = run_ranks(2, _structure_changes_on_one_rank, str(tmp_path))
+    assert results == [(2, 2, 3, True), (2, 2, 3, True)]
+
+
+def _fails_on_rank1(rank, world, root):
+    mgr = cairn.CheckpointManager(root, keep=5)
+    errors = []
+    try:
+        mgr.save(1, _state(rank, 1.0))
+        mgr.wait()
+        real = mgr._stager.stage
+
+        def broken(*a, **k):
+            raise OSError("injected staging failure")
+
+        if rank == 1:
+            mgr._stager.stage = broken
+        try:
+            mgr.save(2, _state(rank, 2.0))
+        except Exception as e:  # noqa: BLE001 - what each rank saw
+            errors.append(type(e).__name__)
+        mgr._stager.stage = real
+        state = _state(rank, 3.0)
+        mgr.save(3, state)  # training goes on: the next save works on every rank
+        mgr.wait()
+    finally:
+        mgr.close()
+    step, got = _restore_into(root, state, memory=False)
+    return errors, sorted(n for n in os.listdir(root) if n.startswith("step_")), step, \
+        _equal(got, state)
+
+
+def test_staging_failure_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    results = run_ranks(2, _fails_on_rank1, str(tmp_path))
+    steps = ["step_0000000001", "step_0000000003"]
+    assert results == [(["Error"], steps, 3, True), (["OSError"], steps, 3, True)]
+
+
+def test_single_process_bytes_values_and_dtype_change(tmp_path):
+    """One process: a tensor whose dtype changes is planned anew; a non-tensor value
+    that changes is saved as it is at each save."""
+    root = str(tmp_path)
+    calls, undo = _counting_dcp_saves()
+    try:
+        with cairn.CheckpointManager(root, keep=5) as mgr:
+            a = {"t": torch.arange(10.0), "meta": {"lr": 1.0, "name": "", "ints": [0]}}
+            mgr.save(1, a)
+            mgr.wait()
+            a["meta"]["lr"] = 0.5
+            mgr.save(2, a)
+            mgr.wait()
+            assert len(calls) == 1
+            b = {"t": torch.arange(10, dtype=torch.int64),
+                 "meta": {"lr": 0.25, "name": "x", "ints": [4]}}
+            mgr.save(3, b)
+            mgr.wait()
+            assert len(calls) == 2
+        for step, want in ((2, {"t": torch.arange(10.0), "meta": {"lr": 0.5, "name": "",
+                                                                  "ints": [0]}}),
+                           (3, b)):
+            dest = {"t": torch.zeros_like(want["t"]),
+                    "meta": {"lr": 0.0, "name": "?", "ints": [9]}}
+            dcp.load(dest, storage_reader=cairn.Reader(f"{root}/step_{step:010d}"))
+            assert _equal(dest, want)
+    finally:
+        undo()
+
+
+def _first_save_planned_by_restore(rank, world, root):
+    calls, undo = _counting_dcp_saves()
+    mgr = cairn.CheckpointManager(root, keep=5)
+    try:
+        state = _state(rank, 1.0)
+        assert mgr.restore(state) is None
+        planned_by_restore = len(calls)
+        mgr.save(1, state)
+        mgr.wait()
+        planned_by_save = len(calls) - planned_by_restore
+    finally:
+        mgr.close()
+        undo()
+    step, got = _restore_into(root, state, memory=False)
+    return planned_by_restore, planned_by_save, step, _equal(got, state)
+
+
+def test_restore_plans_the_first_save_ahead(tmp_path):
+    """restore() (here with nothing to restore) plans the first save on every rank,
+    so the first save() stages like a steady one; what it saved restores exactly."""
+    results = run_ranks(2, _first_save_planned_by_restore, str(tmp_path))
+    assert results == [(1, 0, 1, True), (1, 0, 1, True)]
