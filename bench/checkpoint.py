@@ -230,46 +230,46 @@ def torch_load(ctx: Context, path: Path) -> tuple[float, dict]:
     return time.perf_counter() - t0, out
 
 
-def dcp_save(ctx: Context) -> tuple[float, Path]:
-    path = ctx.fresh_path("dcp")
+def _timed_dcp_save(ctx: Context, name: str, writer: Callable[[str], object]
+                    ) -> tuple[float, Path]:
+    """dcp.save of ctx.state into a fresh directory through writer(path)."""
+    path = ctx.fresh_path(name)
     os.sync()
     t0 = time.perf_counter()
-    dcp.save(ctx.state, storage_writer=dcp.FileSystemWriter(str(path)))
+    dcp.save(ctx.state, storage_writer=writer(str(path)))
     return time.perf_counter() - t0, path
+
+
+def _timed_dcp_load(ctx: Context, path: Path, reader: Callable[[str], object]
+                    ) -> tuple[float, dict]:
+    """Cold dcp.load of `path` into a blank copy of ctx.state through reader(path)."""
+    dest = like(ctx.state)
+    ctx.cold()
+    t0 = time.perf_counter()
+    dcp.load(dest, storage_reader=reader(str(path)))
+    return time.perf_counter() - t0, dest
+
+
+def dcp_save(ctx: Context) -> tuple[float, Path]:
+    return _timed_dcp_save(ctx, "dcp", dcp.FileSystemWriter)
 
 
 def dcp_load(ctx: Context, path: Path) -> tuple[float, dict]:
-    dest = like(ctx.state)
-    ctx.cold()
-    t0 = time.perf_counter()
-    dcp.load(dest, storage_reader=dcp.FileSystemReader(str(path)))
-    return time.perf_counter() - t0, dest
+    return _timed_dcp_load(ctx, path, dcp.FileSystemReader)
 
 
 def cairn_save(ctx: Context) -> tuple[float, Path]:
-    path = ctx.fresh_path("cairn")
-    os.sync()
-    t0 = time.perf_counter()
-    dcp.save(ctx.state, storage_writer=cairn.Writer(str(path)))
-    return time.perf_counter() - t0, path
+    return _timed_dcp_save(ctx, "cairn", cairn.Writer)
 
 
 def cairn_load(ctx: Context, path: Path) -> tuple[float, dict]:
-    dest = like(ctx.state)
-    ctx.cold()
-    t0 = time.perf_counter()
-    dcp.load(dest, storage_reader=cairn.Reader(str(path)))
-    return time.perf_counter() - t0, dest
+    return _timed_dcp_load(ctx, path, cairn.Reader)
 
 
 def stock_cairn_load(ctx: Context, path: Path) -> tuple[float, dict]:
     """cairn.Reader on a checkpoint written by stock dcp.save (the migration path:
     cairn._stock_reader.StockReader, CRC-checked, no unsafe unpickling)."""
-    dest = like(ctx.state)
-    ctx.cold()
-    t0 = time.perf_counter()
-    dcp.load(dest, storage_reader=cairn.Reader(str(path)))
-    return time.perf_counter() - t0, dest
+    return _timed_dcp_load(ctx, path, cairn.Reader)
 
 
 # Async saves. A stall function makes one save of a series (round 0 is the first,
