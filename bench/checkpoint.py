@@ -366,37 +366,35 @@ def manager_stall(ctx: Context, rnd: int) -> dict:
                       lambda: mgr.save(rnd, ctx.state), lambda _: mgr.wait())
 
 
+def _timed_restore(ctx: Context, mgr, rnd: int, tier: str, where: str, check: bool,
+                   cold: bool) -> float:
+    """Seconds mgr.restore() takes into a blank state; raises unless it restored step
+    `rnd` from `tier` (and, with check, the saved values)."""
+    dest = like(ctx.state)
+    trim()
+    if cold:
+        ctx.cold()
+    t0 = time.perf_counter()
+    step = mgr.restore(dest)
+    seconds = time.perf_counter() - t0
+    if step != rnd or mgr.restored != (rnd, tier):
+        raise RuntimeError(f"manager restored {mgr.restored}, expected ({rnd}, '{tier}')")
+    if check and not same(dest, ctx.state):
+        raise RuntimeError(f"manager: the state restored from {where} differs from the saved one")
+    return seconds
+
+
 def manager_restore(ctx: Context, rnd: int, check: bool) -> dict[str, float]:
     """restore() of the step just saved: by the saving manager, from its memory tier;
     by a manager with memory=False, from the durable tier, cold."""
-    mgr = _manager(ctx)
-    dest = like(ctx.state)
-    trim()
-    t0 = time.perf_counter()
-    step = mgr.restore(dest)
-    memory_s = time.perf_counter() - t0
-    if step != rnd or mgr.restored != (rnd, "memory"):
-        raise RuntimeError(f"manager restored {mgr.restored}, expected ({rnd}, 'memory')")
-    if check and not same(dest, ctx.state):
-        raise RuntimeError("manager: the state restored from memory differs from the saved one")
-    del dest
+    memory_s = _timed_restore(ctx, _manager(ctx), rnd, "memory", "memory", check, cold=False)
     disk = ctx.sessions.get("manager-disk")
     if disk is None:
         # Closed after the saving manager (closing removes the run's shm directory).
         disk = ctx.sessions["manager-disk"] = cairn.CheckpointManager(
             ctx.scratch / "manager", memory=False, keep=1)
         ctx.closers.append(disk.close)
-    dest = like(ctx.state)
-    trim()
-    ctx.cold()
-    t0 = time.perf_counter()
-    step = disk.restore(dest)
-    disk_s = time.perf_counter() - t0
-    if step != rnd or disk.restored != (rnd, "durable"):
-        raise RuntimeError(f"manager restored {disk.restored}, expected ({rnd}, 'durable')")
-    if check and not same(dest, ctx.state):
-        raise RuntimeError("manager: the state restored from disk differs from the saved one")
-    del dest
+    disk_s = _timed_restore(ctx, disk, rnd, "durable", "disk", check, cold=True)
     trim()
     return {"restore memory": memory_s, "restore disk (cold)": disk_s}
 
