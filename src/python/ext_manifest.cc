@@ -16,6 +16,7 @@
 
 #include "cairn/manifest.h"
 #include "common.h"
+#include "without_gil.h"
 
 namespace nb = nanobind;
 
@@ -98,12 +99,7 @@ void RegisterManifest(nb::module_& m) {
       "decode_manifest",
       [](nb::bytes data) {
         std::string_view bytes(data.c_str(), data.size());
-        Result<Manifest> r = InternalError("unset");
-        {
-          nb::gil_scoped_release release;
-          r = DecodeManifest(bytes);
-        }
-        return ValueOrThrow(std::move(r));
+        return WithoutGil([&] { return DecodeManifest(bytes); });
       },
       nb::arg("data"),
       "Decodes and validates complete manifest file bytes (no I/O). Raises\n"

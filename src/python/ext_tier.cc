@@ -10,6 +10,7 @@
 #include "cairn/memory_tier.h"
 #include "common.h"
 #include "staging/mapped_file.h"
+#include "without_gil.h"
 
 namespace nb = nanobind;
 
@@ -79,13 +80,8 @@ void RegisterTier(nb::module_& m) {
   m.def(
       "list_memory_tiers",
       [](const std::string& shm_root, double grace, double now) {
-        std::vector<MemoryTierInfo> tiers;
-        {
-          nb::gil_scoped_release nogil;
-          auto r = ListMemoryTiers(ScanOptions(shm_root, grace, now));
-          if (!r.ok()) RaiseStatus(r.status());
-          tiers = std::move(r).value();
-        }
+        std::vector<MemoryTierInfo> tiers =
+            WithoutGil([&] { return ListMemoryTiers(ScanOptions(shm_root, grace, now)); });
         nb::list out;
         for (const auto& t : tiers) out.append(TierDict(t));
         return out;
@@ -96,12 +92,9 @@ void RegisterTier(nb::module_& m) {
       "reclaim_memory_tiers",
       [](const std::string& shm_root, double grace, bool dry_run) {
         std::vector<MemoryTierInfo> gone;
-        Status s;
-        {
-          nb::gil_scoped_release nogil;
-          s = ReclaimOrphanedMemoryTiers(ScanOptions(shm_root, grace, 0), &gone, dry_run);
-        }
-        ThrowIfError(s);
+        WithoutGil([&] {
+          return ReclaimOrphanedMemoryTiers(ScanOptions(shm_root, grace, 0), &gone, dry_run);
+        });
         nb::list out;
         for (const auto& t : gone) out.append(TierDict(t));
         return out;
@@ -136,12 +129,7 @@ void RegisterTier(nb::module_& m) {
             o.rank = rank;
             o.kind = kind;
             o.heartbeat_seconds = heartbeat;
-            Result<std::unique_ptr<MemoryTierLease>> r = UnavailableError("not acquired");
-            {
-              nb::gil_scoped_release nogil;
-              r = MemoryTierLease::Acquire(std::move(o));
-            }
-            new (self) PyLease{ValueOrThrow(std::move(r))};
+            new (self) PyLease{WithoutGil([&] { return MemoryTierLease::Acquire(std::move(o)); })};
           },
           nb::arg("dir"), nb::arg("run_root") = "", nb::arg("run_id") = "", nb::arg("rank") = -1,
           nb::arg("kind") = "memory", nb::arg("heartbeat") = 10.0)
@@ -153,13 +141,11 @@ void RegisterTier(nb::module_& m) {
       .def(
           "release",
           [](PyLease& l, bool remove_if_empty) {
-            Status s;
-            {
-              nb::gil_scoped_release nogil;
-              if (l.lease) s = l.lease->Release(remove_if_empty);
+            WithoutGil([&] {
+              Status s = l.lease ? l.lease->Release(remove_if_empty) : Status();
               l.lease.reset();
-            }
-            ThrowIfError(s);
+              return s;
+            });
           },
           nb::arg("remove_if_empty") = false)
       .def_prop_ro("dir", [](const PyLease& l) { return l.lease ? l.lease->dir() : ""; });
