@@ -9,56 +9,38 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <iterator>
 #include <thread>
 #include <unordered_map>
 
 #include "cairn/fault_injection.h"
 
 namespace cairn {
+namespace {
+
+// FaultOp's names, in enum order: what FaultOpName returns and ParseFaultOp
+// accepts.
+constexpr std::string_view kFaultOpNames[] = {
+    "create",  "open",      "write",  "allocate",  "sync", "close",  "read",    "rename",
+    "syncdir", "createdir", "delete", "deletedir", "list", "exists", "filesize"};
+static_assert(std::size(kFaultOpNames) == kNumFaultOps, "one name per FaultOp");
+
+}  // namespace
+
 std::string_view FaultOpName(FaultOp op) {
-  switch (op) {
-    case FaultOp::kCreate:
-      return "create";
-    case FaultOp::kOpen:
-      return "open";
-    case FaultOp::kWrite:
-      return "write";
-    case FaultOp::kAllocate:
-      return "allocate";
-    case FaultOp::kSync:
-      return "sync";
-    case FaultOp::kClose:
-      return "close";
-    case FaultOp::kRead:
-      return "read";
-    case FaultOp::kRename:
-      return "rename";
-    case FaultOp::kSyncDir:
-      return "syncdir";
-    case FaultOp::kCreateDir:
-      return "createdir";
-    case FaultOp::kDelete:
-      return "delete";
-    case FaultOp::kDeleteDir:
-      return "deletedir";
-    case FaultOp::kList:
-      return "list";
-    case FaultOp::kExists:
-      return "exists";
-    case FaultOp::kFileSize:
-      return "filesize";
-  }
-  return "unknown";
+  const auto i = static_cast<size_t>(op);
+  return i < std::size(kFaultOpNames) ? kFaultOpNames[i] : "unknown";
 }
 
 Result<FaultOp> ParseFaultOp(std::string_view name) {
+  std::string expected;
   for (int i = 0; i < kNumFaultOps; ++i) {
-    if (FaultOpName(static_cast<FaultOp>(i)) == name) return static_cast<FaultOp>(i);
+    if (kFaultOpNames[i] == name) return static_cast<FaultOp>(i);
+    if (i > 0) expected += i + 1 < kNumFaultOps ? ", " : " or ";
+    expected += kFaultOpNames[i];
   }
-  return InvalidArgumentError("unknown storage operation '" + std::string(name) +
-                              "' (expected create, open, write, allocate, sync, close, read, "
-                              "rename, syncdir, createdir, delete, deletedir, list, exists or "
-                              "filesize)");
+  return InvalidArgumentError("unknown storage operation '" + std::string(name) + "' (expected " +
+                              expected + ")");
 }
 
 // ---- FaultInjector -----------------------------------------------------------
@@ -247,24 +229,34 @@ FaultInjectionStorage::FaultInjectionStorage(Storage* base, std::shared_ptr<Faul
 
 // Key validation comes first, as in every backend, so an invalid key is
 // rejected the same way with or without the wrapper.
+namespace {
+
+// Opening a file: the rules for `op` may fail it before the base is asked;
+// otherwise open() opens it on the base and the file is wrapped, so that its
+// own calls meet the rules too.
+template <typename FaultFile, typename Open>
+auto OpenFaultFile(const std::shared_ptr<FaultInjector>& injector, FaultOp op, std::string_view key,
+                   Open open) -> decltype(open()) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
+  auto d = injector->OnCall(op, key);
+  if (!d.status.ok()) return d.status;
+  CAIRN_ASSIGN_OR_RETURN(auto f, open());
+  return std::unique_ptr<typename decltype(f)::element_type>(
+      new FaultFile(std::move(f), std::string(key), injector));
+}
+
+}  // namespace
+
 Result<std::unique_ptr<WritableFile>> FaultInjectionStorage::NewWritableFile(
     std::string_view key, const WriteOptions& opts) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
-  auto d = injector_->OnCall(FaultOp::kCreate, key);
-  if (!d.status.ok()) return d.status;
-  CAIRN_ASSIGN_OR_RETURN(auto f, base_->NewWritableFile(key, opts));
-  return std::unique_ptr<WritableFile>(
-      new FaultWritableFile(std::move(f), std::string(key), injector_));
+  return OpenFaultFile<FaultWritableFile>(injector_, FaultOp::kCreate, key,
+                                          [&] { return base_->NewWritableFile(key, opts); });
 }
 
 Result<std::unique_ptr<ReadableFile>> FaultInjectionStorage::NewReadableFile(
     std::string_view key, const ReadOptions& opts) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
-  auto d = injector_->OnCall(FaultOp::kOpen, key);
-  if (!d.status.ok()) return d.status;
-  CAIRN_ASSIGN_OR_RETURN(auto f, base_->NewReadableFile(key, opts));
-  return std::unique_ptr<ReadableFile>(
-      new FaultReadableFile(std::move(f), std::string(key), injector_));
+  return OpenFaultFile<FaultReadableFile>(injector_, FaultOp::kOpen, key,
+                                          [&] { return base_->NewReadableFile(key, opts); });
 }
 
 Status FaultInjectionStorage::Rename(std::string_view from, std::string_view to) {
