@@ -227,22 +227,32 @@ FaultInjectionStorage::FaultInjectionStorage(Storage* base, std::shared_ptr<Faul
       base_(base),
       injector_(injector ? std::move(injector) : std::make_shared<FaultInjector>()) {}
 
-// Key validation comes first, as in every backend, so an invalid key is
-// rejected the same way with or without the wrapper.
 namespace {
 
-// Opening a file: the rules for `op` may fail it before the base is asked;
-// otherwise open() opens it on the base and the file is wrapped, so that its
-// own calls meet the rules too.
+// Every storage call goes through here: the key is validated first, as in
+// every backend, so an invalid key is rejected the same way with or without
+// the wrapper (allow_root: the call takes a directory, and "" is the root);
+// then the rules for `op` may fail the call before the base sees it;
+// otherwise forward() makes it on the base.
+template <typename Forward>
+auto Gate(FaultInjector& injector, FaultOp op, std::string_view key, bool allow_root,
+          Forward forward) -> decltype(forward()) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(key, allow_root));
+  auto d = injector.OnCall(op, key);
+  if (!d.status.ok()) return d.status;
+  return forward();
+}
+
+// Opening a file: open() opens it on the base, and the file is wrapped so
+// that its own calls meet the rules too.
 template <typename FaultFile, typename Open>
 auto OpenFaultFile(const std::shared_ptr<FaultInjector>& injector, FaultOp op, std::string_view key,
                    Open open) -> decltype(open()) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
-  auto d = injector->OnCall(op, key);
-  if (!d.status.ok()) return d.status;
-  CAIRN_ASSIGN_OR_RETURN(auto f, open());
-  return std::unique_ptr<typename decltype(f)::element_type>(
-      new FaultFile(std::move(f), std::string(key), injector));
+  return Gate(*injector, op, key, false, [&]() -> decltype(open()) {
+    CAIRN_ASSIGN_OR_RETURN(auto f, open());
+    return std::unique_ptr<typename decltype(f)::element_type>(
+        new FaultFile(std::move(f), std::string(key), injector));
+  });
 }
 
 }  // namespace
@@ -259,6 +269,7 @@ Result<std::unique_ptr<ReadableFile>> FaultInjectionStorage::NewReadableFile(
                                           [&] { return base_->NewReadableFile(key, opts); });
 }
 
+// A rename matches rules on either key.
 Status FaultInjectionStorage::Rename(std::string_view from, std::string_view to) {
   CAIRN_RETURN_IF_ERROR(ValidateKey(from));
   CAIRN_RETURN_IF_ERROR(ValidateKey(to));
@@ -267,48 +278,31 @@ Status FaultInjectionStorage::Rename(std::string_view from, std::string_view to)
 }
 
 Status FaultInjectionStorage::SyncDir(std::string_view dir) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
-  auto d = injector_->OnCall(FaultOp::kSyncDir, dir);
-  return d.status.ok() ? base_->SyncDir(dir) : d.status;
+  return Gate(*injector_, FaultOp::kSyncDir, dir, true, [&] { return base_->SyncDir(dir); });
 }
 
 Status FaultInjectionStorage::CreateDir(std::string_view dir) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
-  auto d = injector_->OnCall(FaultOp::kCreateDir, dir);
-  return d.status.ok() ? base_->CreateDir(dir) : d.status;
+  return Gate(*injector_, FaultOp::kCreateDir, dir, true, [&] { return base_->CreateDir(dir); });
 }
 
 Status FaultInjectionStorage::DeleteFile(std::string_view key) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
-  auto d = injector_->OnCall(FaultOp::kDelete, key);
-  return d.status.ok() ? base_->DeleteFile(key) : d.status;
+  return Gate(*injector_, FaultOp::kDelete, key, false, [&] { return base_->DeleteFile(key); });
 }
 
 Status FaultInjectionStorage::DeleteDir(std::string_view dir) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
-  auto d = injector_->OnCall(FaultOp::kDeleteDir, dir);
-  return d.status.ok() ? base_->DeleteDir(dir) : d.status;
+  return Gate(*injector_, FaultOp::kDeleteDir, dir, true, [&] { return base_->DeleteDir(dir); });
 }
 
 Result<std::vector<DirEntry>> FaultInjectionStorage::List(std::string_view dir) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
-  auto d = injector_->OnCall(FaultOp::kList, dir);
-  if (!d.status.ok()) return d.status;
-  return base_->List(dir);
+  return Gate(*injector_, FaultOp::kList, dir, true, [&] { return base_->List(dir); });
 }
 
 Result<bool> FaultInjectionStorage::Exists(std::string_view key) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(key, true));
-  auto d = injector_->OnCall(FaultOp::kExists, key);
-  if (!d.status.ok()) return d.status;
-  return base_->Exists(key);
+  return Gate(*injector_, FaultOp::kExists, key, true, [&] { return base_->Exists(key); });
 }
 
 Result<uint64_t> FaultInjectionStorage::FileSize(std::string_view key) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
-  auto d = injector_->OnCall(FaultOp::kFileSize, key);
-  if (!d.status.ok()) return d.status;
-  return base_->FileSize(key);
+  return Gate(*injector_, FaultOp::kFileSize, key, false, [&] { return base_->FileSize(key); });
 }
 
 // ---- registry ----------------------------------------------------------------
