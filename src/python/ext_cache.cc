@@ -8,6 +8,7 @@
 
 #include "cairn/cache.h"
 #include "common.h"
+#include "struct_fields.h"
 #include "without_gil.h"
 
 namespace nb = nanobind;
@@ -144,18 +145,13 @@ void RegisterCache(nb::module_& m) {
                nb::gil_scoped_release nogil;
                s = c->Stats();
              }
-             nb::dict d;
-             d["fetched_files"] = s.fetched_files;
-             d["fetched_bytes"] = s.fetched_bytes;
-             d["hits"] = s.hits;
-             d["misses"] = s.misses;
-             d["evictions"] = s.evictions;
-             d["wait_s"] = s.wait_s;
-             d["shared_fetched_files"] = s.shared_fetched_files;
-             d["shared_fetched_bytes"] = s.shared_fetched_bytes;
-             d["shared_evictions"] = s.shared_evictions;
-             d["used_bytes"] = s.used_bytes;
-             return d;
+             using S = FileCacheStats;
+             return FieldsDict(
+                 s, F("fetched_files", &S::fetched_files), F("fetched_bytes", &S::fetched_bytes),
+                 F("hits", &S::hits), F("misses", &S::misses), F("evictions", &S::evictions),
+                 F("wait_s", &S::wait_s), F("shared_fetched_files", &S::shared_fetched_files),
+                 F("shared_fetched_bytes", &S::shared_fetched_bytes),
+                 F("shared_evictions", &S::shared_evictions), F("used_bytes", &S::used_bytes));
            })
       .def("abandon",
            [](PyFileCache& self) {

@@ -9,52 +9,17 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <new>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "cairn/manifest.h"
 #include "common.h"
+#include "struct_fields.h"
 #include "without_gil.h"
 
 namespace nb = nanobind;
 
 namespace cairn::python {
-
-namespace {
-
-// One field of a manifest struct as Python sees it: its name and the member.
-template <typename T, typename M>
-struct Field {
-  const char* name;
-  M T::*member;
-};
-
-template <typename T, typename M>
-Field<T, M> F(const char* name, M T::*member) {
-  return {name, member};
-}
-
-// Binds the plain struct T as a class whose __init__ takes `fields` as
-// keyword arguments (in that order; each defaults to its value in T{}) and
-// which has a read-write property per field. Each field is named once here.
-template <typename T, typename... M>
-nb::class_<T> BindStruct(nb::module_& m, const char* name, Field<T, M>... fields) {
-  nb::class_<T> c(m, name);
-  const T defaults{};
-  c.def(
-      "__init__",
-      [fields...](T* self, M... values) {
-        new (self) T{};
-        ((self->*fields.member = std::move(values)), ...);
-      },
-      (nb::arg(fields.name) = defaults.*fields.member)...);
-  (c.def_rw(fields.name, fields.member), ...);
-  return c;
-}
-
-}  // namespace
 
 void RegisterManifest(nb::module_& m) {
   BindStruct(m, "ManifestFile", F("key", &ManifestFile::key), F("size", &ManifestFile::size));

@@ -10,6 +10,7 @@
 #include "cairn/memory_tier.h"
 #include "common.h"
 #include "staging/mapped_file.h"
+#include "struct_fields.h"
 #include "without_gil.h"
 
 namespace nb = nanobind;
@@ -18,42 +19,28 @@ namespace cairn::python {
 namespace {
 
 nb::dict OwnerDict(const MemoryTierOwner& o) {
-  nb::dict d;
-  d["pid"] = o.pid;
-  d["start_time"] = o.start_time;
-  d["boot_id"] = o.boot_id;
-  d["hostname"] = o.hostname;
-  d["rank"] = o.rank;
-  d["heartbeat"] = o.heartbeat;
-  d["state"] = o.state;
-  return d;
+  using O = MemoryTierOwner;
+  return FieldsDict(o, F("pid", &O::pid), F("start_time", &O::start_time),
+                    F("boot_id", &O::boot_id), F("hostname", &O::hostname), F("rank", &O::rank),
+                    F("heartbeat", &O::heartbeat), F("state", &O::state));
 }
 
 nb::dict TierDict(const MemoryTierInfo& t) {
-  nb::dict d;
-  d["name"] = t.name;
-  d["path"] = t.path;
-  d["kind"] = t.kind;
-  d["bytes"] = t.bytes;
-  nb::list steps;
-  for (int64_t s : t.steps) steps.append(s);
-  d["steps"] = steps;
+  using I = MemoryTierInfo;
+  nb::dict d =
+      FieldsDict(t, F("name", &I::name), F("path", &I::path), F("kind", &I::kind),
+                 F("bytes", &I::bytes), F("steps", &I::steps), F("run_root", &I::run_root),
+                 F("run_id", &I::run_id), F("created", &I::created),
+                 F("last_restored", &I::last_restored), F("last_active", &I::last_active),
+                 F("in_use", &I::in_use), F("orphaned", &I::orphaned), F("reason", &I::reason));
   if (t.steps.empty()) {
     d["step"] = nb::none();
   } else {
     d["step"] = t.steps.front();
   }
-  d["run_root"] = t.run_root;
-  d["run_id"] = t.run_id;
-  d["created"] = t.created;
-  d["last_restored"] = t.last_restored;
-  d["last_active"] = t.last_active;
   nb::list owners;
   for (const auto& o : t.owners) owners.append(OwnerDict(o));
   d["owners"] = owners;
-  d["in_use"] = t.in_use;
-  d["orphaned"] = t.orphaned;
-  d["reason"] = t.reason;
   return d;
 }
 
