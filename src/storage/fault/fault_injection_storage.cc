@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "cairn/fault_injection.h"
+#include "storage/uri.h"
 
 namespace cairn {
 namespace {
@@ -352,16 +353,9 @@ bool UnregisterFaultInjector(const std::string& name, const FaultInjector* only_
 }
 
 Result<std::unique_ptr<Storage>> OpenFaultStorage(std::string_view uri, bool create) {
-  constexpr std::string_view kScheme = "fault://";
-  if (uri.substr(0, kScheme.size()) != kScheme) {
-    return InvalidArgumentError("not a fault:// URI: " + std::string(uri));
-  }
-  std::string_view rest = uri.substr(kScheme.size());
-  size_t slash = rest.find('/');
-  std::string name(rest.substr(0, slash));
-  std::string_view sub =
-      slash == std::string_view::npos ? std::string_view() : rest.substr(slash + 1);
-  while (!sub.empty() && sub.back() == '/') sub.remove_suffix(1);
+  CAIRN_ASSIGN_OR_RETURN(internal::UriParts parts, internal::SplitUri(uri, "fault://"));
+  const std::string name(parts.authority);
+  const std::string_view sub = parts.path;
   if (!sub.empty()) CAIRN_RETURN_IF_ERROR(ValidateKey(sub).WithContext(std::string(uri)));
   RegistryEntry entry;
   {
