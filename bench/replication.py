@@ -56,7 +56,8 @@ def worker(a) -> None:
     raw_runs()  # before and after the managers' runs: the median of both
     for k in (0, 1):
         root = os.path.join(a.workdir, f"root{k}")
-        mgr = cairn.CheckpointManager(root, replicas=k, durable_every=1000)
+        # Two slots in both runs: replicas need them, and the stalls compare alike.
+        mgr = cairn.CheckpointManager(root, replicas=k, memory_slots=2, durable_every=1000)
         reps, phases = [], []
         for step in range(a.runs + 1):  # the first save is the warm-up
             mgr.save(step, state, durable=(step == a.runs))
@@ -76,7 +77,9 @@ def worker(a) -> None:
             peer_t, dur_t, tiers = [], [], []
             for _ in range(a.runs):
                 if rank == 1:  # gone after the first run; the replica on node a stays
-                    shutil.rmtree(os.path.join(mgr.shm_dir, "slot0"), ignore_errors=True)
+                    for slot in range(mgr.num_slots):
+                        shutil.rmtree(os.path.join(mgr.shm_dir, f"slot{slot}"),
+                                      ignore_errors=True)
                 dist.barrier(group=g)
                 sd = {k2: torch.empty_like(v) for k2, v in state.items()}
                 m2 = cairn.CheckpointManager(root, replicas=1)

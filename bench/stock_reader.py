@@ -1,5 +1,5 @@
-"""Loading a stock ``dcp.save`` checkpoint: cairn's StockReader (its own
-zip/pickle item decoder, a strided view of the bytes read) against the same
+"""Loading a stock ``dcp.save`` checkpoint: cairn's StockReader (the C++
+engine's zip/pickle item decoder, bytes read straight into the destination) against the same
 safety built on DCP's own ``FileSystemReader.read_data`` (``torch.load`` per
 item, one more copy), and against DCP's unsafe ``FileSystemReader`` itself.
 
@@ -21,6 +21,7 @@ import dataclasses
 import io
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -34,12 +35,10 @@ from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from cairn import _pools
+from cairn import _ext, _pools
 from cairn._stock_reader import (
-    _Archive,
     StockReader,
     _local_path,
-    _open_regular,
     check_value_is_safe,
     is_stock_checkpoint,
     read_stock_metadata,
@@ -60,10 +59,27 @@ from cairn.errors import CorruptionError, InvalidArgumentError
 _LOCAL_MAGIC = b"PK\x03\x04"
 
 
+def _open_regular(path: str) -> int:
+    """Opens ``path`` read-only without following a symlink and without ever
+    blocking: a FIFO, socket or device is refused. (cairn's own reader has
+    the engine's Storage open its files; this bench-only rebuild opens them
+    through DCP's FileSystem, so it needs its own.)"""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptionError(f"{path}: not a regular file (refusing to read it)")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _verify_zip_crcs(data: bytes, where: str) -> None:
     """Checks the CRC32 of every stored entry of the torch.save archive held in
-    ``data`` (torch.save writes them; torch.load never checks them)."""
-    _Archive(data, where, verify_crc=True)
+    ``data`` (torch.save writes them; torch.load never checks them): the
+    engine's archive walk (src/stock/), whose decoded record is not used."""
+    _ext.decode_stock_tensor(data, where, True)
 
 
 class _DataFiles(FileSystem):

@@ -72,6 +72,10 @@ def train_func(config: dict) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(dim, config.get("hidden", 64)), torch.nn.GELU(),
                                 torch.nn.Dropout(0.1), torch.nn.Linear(config.get("hidden", 64), 1))
     model = DDP(model) if world > 1 and dist.is_initialized() else model
+    # DDP's first backward pass reduces in another bucket layout than later ones: spend
+    # it on a dummy batch on every attempt (bit-exact resume from 3 workers on).
+    probe = torch.zeros(1, dim)
+    cairn.settle_ddp_buckets(model, lambda m: m(probe).sum().backward())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
 

@@ -70,8 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--no-memory", action="store_true", help="no shared-memory tier")
     p.add_argument("--local", help="optional local NVMe tier directory")
-    p.add_argument("--memory-slots", type=int, default=1,
-                   help="checkpoints held in shared memory (and in each replica)")
+    p.add_argument("--memory-slots", type=int, default=None,
+                   help="checkpoints held in shared memory (and in each replica); "
+                        "default 1, or 2 with --replicas")
     p.add_argument("--replicas", type=int, default=0,
                    help="copies of each node's memory tier on peer nodes")
     p.add_argument("--durable-every", type=int, default=1,
@@ -240,6 +241,11 @@ def main(argv=None) -> int:
     # ---- model, optimizer, schedule ------------------------------------------------
     model = GPT(d=args.d_model, layers=args.layers, seq_len=args.seq_len).to(device)
     model = wrap_model(model, mode, world)
+    # DDP's first backward pass reduces in another bucket layout than every later one;
+    # spend it on a dummy batch, so a resumed run's first step sums gradients in the
+    # same order as the uninterrupted run's (bit-exact resume from 3 ranks on).
+    dummy = torch.zeros(1, args.seq_len + 1, dtype=torch.long, device=device)
+    cairn.settle_ddp_buckets(model, lambda m: m(dummy[:, :-1], dummy[:, 1:]).backward())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_lr(s, args.steps))
     gate = None

@@ -8,7 +8,7 @@ ROOT=$PWD
 
 APT_PACKAGES=(g++ cmake ninja-build pkg-config libgtest-dev libgmock-dev libbenchmark-dev
   libxxhash-dev nlohmann-json3-dev libcli11-dev liburing-dev clang-format
-  libcurl4-openssl-dev libssl-dev libpugixml-dev cloc)
+  libcurl4-openssl-dev libssl-dev libpugixml-dev zlib1g-dev libdeflate-dev cloc)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -18,16 +18,6 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MemoryTierInfo, name, path, kind, bytes, step
 
 namespace cli {
 
-std::string HumanBytes(uint64_t n) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1024 && u < 4) v /= 1024, ++u;
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), u ? "%.1f %s" : "%.0f %s", v, units[u]);
-  return buf;
-}
-
 namespace {
 
 std::string Owners(const MemoryTierInfo& t) {

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "cairn/memory_tier.h"
+
 namespace cairn::cli {
 
 struct MemoryCommandOptions {
@@ -21,7 +23,8 @@ int CmdLsMemory(const MemoryCommandOptions& opts);
 // Deletes orphaned memory tiers and prints what was freed.
 int CmdGc(const MemoryCommandOptions& opts);
 
-// `n` bytes for people: "512 B", "1.5 MiB" (every command of the CLI prints sizes so).
-std::string HumanBytes(uint64_t n);
+// `n` bytes for people: "512 B", "1.5 MiB" (every command of the CLI prints sizes so;
+// the library's, include/cairn/memory_tier.h).
+using cairn::HumanBytes;
 
 }  // namespace cairn::cli

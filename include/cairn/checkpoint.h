@@ -86,7 +86,8 @@ Status CommitManifest(Storage* storage, std::string_view dir, const Manifest& m)
 
 // Removes the manifest of `dir` if there is one (and syncs `dir`), so that
 // rewriting the directory in place never leaves a manifest that describes
-// half-new data. OK when there is no manifest.
+// half-new data. OK when there is no manifest, also when another process
+// removes it concurrently (safe to call from several processes for one `dir`).
 Status UncommitCheckpoint(Storage* storage, std::string_view dir);
 
 // Reads and validates the manifest of `dir`. NotFound if `dir` has no
@@ -310,6 +311,23 @@ struct CopyFileOptions {
 Result<uint64_t> CopyFile(Storage* src, std::string_view src_key, Storage* dst,
                           std::string_view dst_key, ThreadPool* pool,
                           const CopyFileOptions& opts = {}, const ProgressFn& progress = {});
+
+// Writes `buffers` as the data file `key` of `stage` (a fast local directory)
+// exactly as WriteDataFile does (unsynced there: it is a transient copy) and
+// copies it to `key` of `target` while it is still being written: each range
+// of copy_opts.chunk_bytes is read back from the staged file and written to
+// `target` on `copy_pool` as soon as every byte of it is in the staged file
+// (an S3 target uploads each part as soon as it is complete), so the upload
+// starts after the first range instead of after the whole file. `copy_pool`
+// must not be `pool` (copies would queue behind the whole local write). The
+// target file is synced (copy_opts.sync) and closed before this returns; on
+// failure it is aborted (never committed by callers) and the staged file is
+// left for the caller to remove. The result is WriteDataFile's: the item
+// locations and block checksums, hashed once from the caller's memory.
+Result<DataFileResult> WriteDataFileStaged(Storage* stage, Storage* target, std::string_view key,
+                                           const std::vector<BufferRef>& buffers, ThreadPool* pool,
+                                           ThreadPool* copy_pool, const DataFileOptions& opts = {},
+                                           const CopyFileOptions& copy_opts = {});
 
 // ---- Convenience: named buffers -------------------------------------------
 

@@ -159,4 +159,43 @@ Result<uint64_t> AllocatedBytes(const std::string& dir);
 // This process's identity as a tier owner would record it.
 MemoryTierOwner CurrentProcessOwner();
 
+// ---- The memory budget (CheckpointManager's memory_limit) -----------------
+//
+// Before a save changes a byte of a staging slot, each rank works out how much
+// its slot file must grow (SlotGrowth: nothing in the steady state, slots are
+// reused). Without a limit it checks that the node has that much shared
+// memory free (CheckSharedMemoryRoom). With one, the ranks all-gather a
+// MemoryBudgetReport each and every rank reaches the same verdict for every
+// node (CheckMemoryBudget), so a save that would take any node's tier past
+// its limit fails on every rank alike, before anything is written.
+
+// One rank's part in a budget check.
+struct MemoryBudgetReport {
+  std::string node;        // the rank's node name
+  uint64_t grow = 0;       // bytes its slot file must grow by
+  bool leader = false;     // the node's leader: the fields below are set
+  uint64_t footprint = 0;  // the tier's allocated bytes now
+  uint64_t room = 0;       // SharedMemoryRoom::usable() of the node
+  uint64_t limit = 0;      // the memory_limit in bytes
+};
+
+// How many bytes the slot file `path` must grow by to hold `used` bytes:
+// `used` rounded up to `align`, less the file's size (0 when it is missing).
+Result<uint64_t> SlotGrowth(const std::string& path, uint64_t used, uint64_t align);
+
+// kResourceExhausted when `grow` bytes exceed the usable shared memory at
+// `shm_root` (the node's tmpfs); OK when grow is 0.
+Status CheckSharedMemoryRoom(const std::string& shm_root, uint64_t grow);
+
+// The verdict on the reports of every rank of a save, the same on every rank:
+// for each node in name order, kResourceExhausted when its tier would grow
+// past its leader's `limit` (`limit_arg` is the limit as the user gave it, for
+// the message) or past the node's free room. kInvalidArgument when a node has
+// no leader report.
+Status CheckMemoryBudget(const std::vector<MemoryBudgetReport>& reports,
+                         std::string_view limit_arg);
+
+// "512 B", "1.5 KiB", "3.0 MiB", "2.2 GiB", "1.1 TiB" (messages, the CLI).
+std::string HumanBytes(uint64_t n);
+
 }  // namespace cairn

@@ -26,6 +26,7 @@ _LAZY = {
     "CheckpointManager": "cairn.manager",
     "SharedMemoryStager": "cairn.stager",
     "init_distributed": "cairn.distributed",
+    "settle_ddp_buckets": "cairn.distributed",
     "RNGState": "cairn.state",
     "TrainState": "cairn.state",
     "seed_everything": "cairn.state",

@@ -11,6 +11,10 @@ for every node; a save that would take any node's memory tier past its limit fai
 on every rank alike, with :class:`cairn.errors.ResourceExhaustedError`, leaving the
 memory-tier checkpoint already in the slot intact.
 
+The growth, the room check and the verdict are C++ (``cairn/memory_tier.h``:
+``SlotGrowth``, ``CheckSharedMemoryRoom``, ``CheckMemoryBudget``); this module
+gathers the reports on the manager's group.
+
 Reclaim. The listing and the orphan decision are in C++ (``cairn/memory_tier.h``),
 shared with ``cairn gc``; the node leader of a new manager calls it once.
 """
@@ -25,17 +29,6 @@ from cairn import _ext
 from cairn.errors import Error, InvalidArgumentError, ResourceExhaustedError
 
 log = logging.getLogger("cairn.manager")
-
-_GROW_ALIGN = int(_ext.SLOT_GROW_ALIGN)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
 
 def check_limit(limit: Any) -> None:
     if limit is None:
@@ -55,7 +48,7 @@ def reclaim_orphans(grace: float) -> None:
     try:
         for t in _ext.reclaim_memory_tiers(grace=grace):
             log.warning("cairn: reclaimed orphaned memory tier %s (%s, run root %s): %s",
-                        t["path"], _human(t["bytes"]), t["run_root"] or "?", t["reason"])
+                        t["path"], _ext.human_bytes(t["bytes"]), t["run_root"] or "?", t["reason"])
     except Error as e:
         log.warning("cairn: reclaiming orphaned memory tiers: %s", e)
 
@@ -94,25 +87,11 @@ class Budget:
             from cairn._replication import node_id
             self.host = node_id()
 
-    def _growth(self, slot: int, used: int) -> int:
-        path = os.path.join(self.mgr.shm_dir, f"slot{slot}", "data", f"r{self.mgr.rank}.bin")
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            size = 0
-        want = (used + _GROW_ALIGN - 1) // _GROW_ALIGN * _GROW_ALIGN
-        return max(0, want - size)
-
     def check(self, slot: int, used: int) -> None:
-        grow = self._growth(slot, used)
+        path = os.path.join(self.mgr.shm_dir, f"slot{slot}", "data", f"r{self.mgr.rank}.bin")
+        grow = int(_ext.slot_growth(path, used))
         if self.limit is None:
-            if grow:
-                room = int(_ext.shared_memory_room(self.shm_root)["usable"])
-                if grow > room:
-                    raise ResourceExhaustedError(
-                        f"staging needs {_human(grow)} more shared memory on this node, but "
-                        f"only {_human(room)} is free in {self.shm_root} (and the node's "
-                        f"memory); the save was not started and the memory tier is unchanged")
+            _ext.check_shared_memory_room(self.shm_root, grow)
             return
         mgr = self.mgr
         mine: dict[str, Any] = {"host": self.host, "grow": grow}
@@ -121,19 +100,7 @@ class Budget:
             mine["room"] = int(_ext.shared_memory_room(self.shm_root)["usable"])
             mine["limit"] = self.limit
         everyone = mgr._gather(mine)
-        for node in sorted({o["host"] for o in everyone}):
-            ranks = [o for o in everyone if o["host"] == node]
-            need = sum(o["grow"] for o in ranks)
-            leader = next(o for o in ranks if "footprint" in o)
-            after = leader["footprint"] + need
-            if need and after > leader["limit"]:
-                raise ResourceExhaustedError(
-                    f"memory_limit: this save needs the memory tier on node {node} to grow by "
-                    f"{_human(need)} to {_human(after)}, over its memory_limit of "
-                    f"{_human(leader['limit'])} ({self.limit_arg!r}); the save was not "
-                    f"started and the memory tier is unchanged")
-            if need > leader["room"]:
-                raise ResourceExhaustedError(
-                    f"staging needs {_human(need)} more shared memory on node {node}, but only "
-                    f"{_human(leader['room'])} is free; the save was not started and the "
-                    f"memory tier is unchanged")
+        _ext.check_memory_budget(
+            [(o["host"], o["grow"], "footprint" in o, o.get("footprint", 0), o.get("room", 0),
+              o.get("limit", 0)) for o in everyone],
+            repr(self.limit_arg))

@@ -33,10 +33,10 @@ own before the bytes move):
      verdicts;
   4. for each (source node, peer node) whose files all verified, the peer's lowest
      receiving rank writes the sidecar and commits the manifest: only now does the
-     step count as replicated there. Replica slots mirror ``memory_slots``: with one
-     slot, a node lost while its step replicates has no replica left on its peer (the
-     slot was uncommitted in 2.), and restore falls back to the durable tier; two
-     slots keep the previous step's replica.
+     step count as replicated there. Replica slots mirror ``memory_slots``, which
+     the manager requires to be >= 2 with replicas: the slot uncommitted in 2. never
+     holds the previous step, so a node lost while a step replicates still has the
+     previous step in every memory tier and replica.
 
 Restore (``Replication.candidates`` and ``materialize``, collective): every rank
 reports what its node holds (its memory-tier slots and its replicas, with file sizes);

@@ -23,41 +23,33 @@ three steps:
    non-negative sizes, chunks inside their tensor, data file names that are plain
    file names inside the checkpoint directory) and converted to the real DCP
    metadata objects that ``dcp.load``'s planner expects.
-3. **Read items.** Data files are opened by validated name relative to the
-   checkpoint directory without following symlinks; every range is bounds-checked
-   against the file size before it is read. A tensor item's zip CRC32s are
-   verified (torch.save writes them); its ``data.pkl`` is decoded by a second
-   restricted unpickler that only recognises torch.save's one-tensor form
-   (rebuild function, storage class, sizes, strides), and the tensor is then a
-   bounds-checked strided view of the bytes just read, narrowed to the slice
-   the destination needs (resharding) and copied into it. Any other form is
-   decoded with ``torch.load(weights_only=True)``. Non-tensor items are handed
+3. **Read items** (the C++ engine, ``src/stock/``). Data files are opened by
+   validated name inside the checkpoint directory (no symlink, no FIFO); every
+   item is bounds-checked against its file's size before it is read. A tensor
+   item's zip records are walked and its CRC32s verified (torch.save writes
+   them); its ``data.pkl`` is decoded by a tiny opcode reader that only
+   recognises torch.save's one-tensor form (rebuild function, storage class,
+   sizes, strides), the view is checked against its storage, and the slice
+   the destination needs (resharding) is read straight into it, items and
+   large items' pieces in parallel on cairn's I/O pool. Any other form, or a
+   destination of another dtype or device, is decoded here with
+   ``torch.load(weights_only=True)`` and copied. Non-tensor items are handed
    to the planner (which unpickles them with ``weights_only=False``) only if
    they also decode with ``weights_only=True`` (plus cairn's small allowlist,
    ``SAFE_VALUE_GLOBALS``: ``io.BytesIO`` and a few builtins), unless the
    caller passes ``allow_pickle=True``.
 
-Items are read, verified and copied in parallel on a small thread pool (the
-heavy calls release the GIL); calls into the planner are serialized by a lock
-because DCP planners are not thread-safe.
+Planner calls stay on the calling thread (DCP planners are not thread-safe).
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import io
 import os
 import pathlib
 import pickle
-import stat
-import struct
-import sys
 import threading
 import warnings
-import zipfile
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -73,7 +65,6 @@ from cairn.errors import CorruptionError, InvalidArgumentError, NotFoundError
 __all__ = ["is_stock_checkpoint", "StockReader", "read_stock_metadata", "check_value_is_safe"]
 
 METADATA_FILE = ".metadata"
-_PICKLE_PROTO = 0x80  # first byte of a protocol >= 2 pickle
 # Bounds on what a metadata file may make us allocate before anything is
 # validated (a sparse file costs nothing on disk): the metadata pickle itself,
 # a non-tensor item, and a tensor item beyond its chunk's bytes (torch.save's
@@ -82,21 +73,6 @@ _MAX_METADATA_SIZE = 1 << 30
 _MAX_BYTES_ITEM_SIZE = int(_ext.MAX_BYTES_ITEM_SIZE)
 _TENSOR_ITEM_SLACK = 16 << 20
 
-
-def _open_regular(path: str) -> int:
-    """Opens ``path`` read-only without following a symlink and without ever
-    blocking: a FIFO, socket or device is refused (OSError ENXIO-like, raised
-    as CorruptionError by callers) instead of waited on."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptionError(f"{path}: not a regular file (refusing to read it)")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 _DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
@@ -120,19 +96,9 @@ def is_stock_checkpoint(path: str | os.PathLike) -> bool:
     """True when ``path`` is a directory holding a stock DCP ``.metadata`` pickle
     (global, or rank 0's when saved without collectives). Reads one byte."""
     try:
-        d = _local_path(path)
+        return bool(_ext.is_stock_checkpoint(_local_path(path)))
     except TypeError:
         return False
-    for name in (METADATA_FILE, f"__0{METADATA_FILE}"):
-        f = os.path.join(d, name)
-        try:
-            fd = _open_regular(f)
-        except (OSError, CorruptionError):
-            continue
-        with os.fdopen(fd, "rb") as fh:
-            if fh.read(1) == bytes([_PICKLE_PROTO]):
-                return True
-    return False
 
 
 # ----------------------------------------------------------------------------
@@ -504,16 +470,8 @@ def read_stock_metadata(path: str | os.PathLike, rank: int | None = None) -> _md
     d = _local_path(path)
     name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
     f = os.path.join(d, name)
-    try:
-        fd = _open_regular(f)
-    except FileNotFoundError as e:
-        raise NotFoundError(f"{f}: no DCP metadata file") from e
-    except OSError as e:
-        raise CorruptionError(f"{f}: cannot open DCP metadata: {e.strerror}") from e
-    with os.fdopen(fd, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size > _MAX_METADATA_SIZE:
-            raise CorruptionError(f"{f}: DCP metadata larger than {_MAX_METADATA_SIZE} bytes")
-        raw = fh.read(_MAX_METADATA_SIZE + 1)
+    # The engine opens it (no symlink, no FIFO) and bounds it before reading.
+    raw = _ext.read_stock_metadata_file(d, name, _MAX_METADATA_SIZE)
     try:
         root = _RestrictedUnpickler(io.BytesIO(raw), f).load()
     except CorruptionError:
@@ -529,171 +487,18 @@ def read_stock_metadata(path: str | os.PathLike, rank: int | None = None) -> _md
 
 
 # ----------------------------------------------------------------------------
-# Step 3: read items.
-
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
-_LOCAL_MAGIC = b"PK\x03\x04"
-
-
-class _MemFile(io.RawIOBase):
-    """A read-only, seekable file over a buffer, without copying it (zipfile
-    only reads the small central directory through it)."""
-
-    def __init__(self, buf) -> None:
-        super().__init__()
-        self._view = memoryview(buf)
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), len(self._view) - self._pos))
-        b[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
+# Step 3: read items. The zip walk, data.pkl decoding, bounds and CRC32 checks
+# and the copies into the destinations are the C++ engine's (src/stock/,
+# include/cairn/stock.h); Python resolves destinations and handles the rest.
 
 
-class _Archive:
-    """The entries of one torch.save zip held in memory: name -> (start, end)
-    of its stored bytes. Verifies CRC32s when asked."""
-
-    def __init__(self, buf, where: str, verify_crc: bool) -> None:
-        view = memoryview(buf)
-        try:
-            infos = zipfile.ZipFile(_MemFile(buf)).infolist()
-        except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
-            raise CorruptionError(f"{where}: not a torch.save archive ({e})") from e
-        self.entries: dict[str, tuple[int, int]] = {}
-        self.stored = True
-        for info in infos:
-            h = info.header_offset
-            if h < 0 or h + _LOCAL_HEADER.size > len(view):
-                raise CorruptionError(f"{where}: zip entry {info.filename} out of range")
-            fields = _LOCAL_HEADER.unpack_from(view, h)
-            if fields[0] != _LOCAL_MAGIC:
-                raise CorruptionError(f"{where}: zip entry {info.filename} has a bad header")
-            start = h + _LOCAL_HEADER.size + fields[9] + fields[10]
-            end = start + info.compress_size
-            if end > len(view):
-                raise CorruptionError(f"{where}: zip entry {info.filename} is truncated")
-            if info.compress_type != zipfile.ZIP_STORED:
-                self.stored = False  # torch.save never compresses; let torch.load try
-                continue
-            if verify_crc and zlib.crc32(view[start:end]) != info.CRC:
-                raise CorruptionError(
-                    f"{where}: checksum mismatch in {info.filename} (if it was saved "
-                    "with CRC32 disabled, pass verify_crc=False)"
-                )
-            self.entries[info.filename] = (start, end)
-
-
-# torch.save's legacy storage classes, as named in data.pkl, and their dtypes.
-_STORAGE_DTYPES = {
-    "FloatStorage": torch.float32,
-    "DoubleStorage": torch.float64,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-}
-
-
-class _NotSimple(Exception):
-    """data.pkl is not the plain one-tensor form: decode with torch.load."""
-
-
-class _TensorRecipe(pickle.Unpickler):
-    """Decodes the data.pkl of ``torch.save(tensor)`` into (storage key, dtype,
-    numel, storage offset, size, stride) without building anything: only the
-    rebuild function, OrderedDict and storage classes are recognised, and
-    anything else means "not simple" (the caller falls back to torch.load with
-    weights_only=True)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _recipe
-        if (module, name) == ("collections", "OrderedDict"):
-            return _empty_hooks
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return ("storage_type", _STORAGE_DTYPES[name])
-        raise _NotSimple(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if (
-            isinstance(pid, tuple)
-            and len(pid) == 5
-            and pid[0] == "storage"
-            and isinstance(pid[1], tuple)
-            and pid[1][:1] == ("storage_type",)
-            and isinstance(pid[2], str)
-            and type(pid[4]) is int
-        ):
-            return ("storage", pid[1][1], pid[2], pid[4])
-        raise _NotSimple("storage id")
-
-
-def _empty_hooks(*args: Any) -> dict:
-    if args:
-        raise _NotSimple("hooks")
-    return {}
-
-
-def _recipe(storage, offset, size, stride, requires_grad, hooks, *rest) -> tuple:
-    if not (
-        isinstance(storage, tuple)
-        and storage[:1] == ("storage",)
-        and type(offset) is int
-        and isinstance(size, tuple)
-        and isinstance(stride, tuple)
-        and len(size) == len(stride)
-        and all(type(x) is int for x in size + stride)
-        and not hooks
-        and (not rest or rest[0] in (None, {}))
-    ):
-        raise _NotSimple("rebuild arguments")
-    _, dtype, key, numel = storage
-    return ("tensor", dtype, key, numel, offset, size, stride)
-
-
-def _decode_tensor(buf: bytearray, where: str, verify_crc: bool) -> torch.Tensor:
+def _decode_tensor(buf, where: str, verify_crc: bool) -> torch.Tensor:
     """The tensor of a torch.save item held in ``buf``: a strided view of
     ``buf`` itself when the archive has the plain one-tensor form (no copy),
-    else torch.load(weights_only=True)."""
-    archive = _Archive(buf, where, verify_crc)
-    view = memoryview(buf)
-    pkl = [n for n in archive.entries if n.endswith("/data.pkl") and n.count("/") == 1]
-    try:
-        if not archive.stored or len(pkl) != 1:
-            raise _NotSimple("layout")
-        prefix = pkl[0][: -len("data.pkl")]
-        order = archive.entries.get(prefix + "byteorder")
-        if order is not None and bytes(view[order[0] : order[1]]) != sys.byteorder.encode():
-            raise _NotSimple("byte order")
-        s, e = archive.entries[pkl[0]]
-        recipe = _TensorRecipe(io.BytesIO(view[s:e])).load()
-        if not (isinstance(recipe, tuple) and recipe[:1] == ("tensor",)):
-            raise _NotSimple("not a tensor")
-    except CorruptionError:
-        raise
-    except Exception:  # _NotSimple, or a data.pkl this decoder does not know
+    else torch.load(weights_only=True). The archive's records and CRC32s are
+    checked by the engine either way."""
+    rec = _ext.decode_stock_tensor(buf, where, verify_crc)
+    if rec is None:  # not the plain form: torch's own safe decoder
         try:
             t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
         except Exception as e:
@@ -701,23 +506,13 @@ def _decode_tensor(buf: bytearray, where: str, verify_crc: bool) -> torch.Tensor
         if not isinstance(t, torch.Tensor):
             raise CorruptionError(f"{where}: item is a {type(t).__name__}, not a tensor")
         return t
-
-    _, dtype, key, numel, offset, size, stride = recipe
-    rng = archive.entries.get(f"{prefix}data/{key}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if rng is None or rng[1] - rng[0] != numel * itemsize:
-        raise CorruptionError(f"{where}: tensor storage is missing or has the wrong size")
-    if any(d < 0 for d in size) or any(st < 0 for st in stride) or offset < 0:
-        raise CorruptionError(f"{where}: negative tensor geometry")
-    if 0 not in size:
-        extent = offset + 1 + sum((d - 1) * st for d, st in zip(size, stride))
-        if extent > numel:
-            raise CorruptionError(f"{where}: tensor view exceeds its storage")
+    dtype_name, begin, numel, offset, size, stride = rec
+    dtype = getattr(torch, dtype_name)
     if numel == 0:
         return torch.empty(size, dtype=dtype)
     with warnings.catch_warnings():  # frombuffer warns about writable buffers
         warnings.simplefilter("ignore")
-        flat = torch.frombuffer(buf, dtype=dtype, count=numel, offset=rng[0])
+        flat = torch.frombuffer(buf, dtype=dtype, count=numel, offset=begin)
     return flat.as_strided(size, stride, offset)
 
 
@@ -774,15 +569,16 @@ class StockReader(StorageReader):
 
     Supports loading on any world size (resharding: each request is narrowed to
     the slice the destination needs). One instance serves one ``dcp.load`` at a
-    time; ``read_data`` uses an internal thread pool that it joins before
-    returning. A tensor item in torch.save's plain one-tensor form is viewed in
-    place in the bytes read (one copy, into the destination); other forms are
-    decoded with ``torch.load(weights_only=True)``.
+    time. A tensor item in torch.save's plain one-tensor form that lands in a
+    CPU tensor of its dtype is loaded by the C++ engine
+    (``_ext.read_stock_tensors``: zip records and CRC32s checked, bytes read
+    straight into the destination, in parallel); other forms and destinations
+    are decoded here (``torch.load(weights_only=True)``) and copied.
 
     Args:
         path: the checkpoint directory (or ``file://`` URI).
-        thread_count: items read in parallel by this reader's own threads (default:
-            the process-wide executor of cairn._pools, CPUs 2 to 8).
+        thread_count: threads of this reader's own I/O pool (default: the
+            process-wide pool of cairn._pools).
         verify_crc: check each tensor item's zip CRC32s (torch.save writes them).
         allow_pickle: hand non-tensor items that need arbitrary unpickling to the
             planner anyway. Only for checkpoints you trust.
@@ -798,14 +594,12 @@ class StockReader(StorageReader):
     ) -> None:
         super().__init__()
         self.path = _local_path(path)
-        self.thread_count = thread_count or _pools.thread_count("copy")
-        self._own_threads = thread_count
-        self._executor: ThreadPoolExecutor | None = None
+        self.thread_count = thread_count or _pools.thread_count("io")
+        self._own_pool = _ext.ThreadPool(thread_count) if thread_count else None
         self.verify_crc = verify_crc
         self.allow_pickle = allow_pickle
         self.storage_data: dict[_md.MetadataIndex, _StorageInfo] = {}
         self._chunks: dict[_md.MetadataIndex, tuple[torch.Size, torch.dtype]] = {}
-        self._lock = threading.Lock()
 
     # -- StorageReader -----------------------------------------------------
 
@@ -838,50 +632,49 @@ class StockReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def _thread_pool(self) -> ThreadPoolExecutor:
-        """This reader's own executor when given a thread_count, else the
-        process-wide one (cairn._pools); never one per call."""
-        if self._own_threads is None:
-            return _pools.python_executor()
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(self._own_threads, thread_name_prefix="cairn-stock")
-        return self._executor
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list] = collections.defaultdict(list)
+        try:
+            storage = _ext.open_storage(self.path, create=False)
+        except NotFoundError as e:
+            raise CorruptionError(f"{self.path}: checkpoint directory is missing") from e
+        engine, engine_reqs, slow = [], [], []
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
             if info is None:
                 raise CorruptionError(
                     f"{self.path}: no data location for {req.storage_index.fqn!r}"
                 )
-            per_file[info.relative_path].append(req)
-        fds: dict[str, tuple[int, int]] = {}  # relative path -> (fd, size)
-        try:
-            jobs = []
-            for rel, reqs in per_file.items():
-                fds[rel] = self._open_data_file(rel, reqs[0].storage_index.fqn)
-                reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
-                jobs += [(rel, req) for req in reqs]
-            # Items are independent: read, verify and copy them in parallel
-            # (preadv, crc32 and copy_ all release the GIL).
-            if self.thread_count <= 1 or len(jobs) <= 1:
-                for rel, req in jobs:
-                    self._read_item(rel, *fds[rel], req, planner)
+            item = (req, info, f"{os.path.join(self.path, info.relative_path)}: "
+                    f"tensor {req.storage_index.fqn!r}")
+            if req.type == LoadItemType.BYTE_IO:
+                slow.append(item)
+                continue
+            target = planner.resolve_tensor(req).detach()
+            expected = self._chunks.get(req.storage_index)
+            if list(target.shape) != list(req.lengths):
+                raise CorruptionError(
+                    f"{item[2]}: destination slice is {list(target.shape)}, stored slice "
+                    f"is {list(req.lengths)}"
+                )
+            if expected is None or not _engine_can_fill(target, expected[1]):
+                slow.append(item + (target,))
+                continue
+            engine.append(item + (target,))
+            engine_reqs.append((
+                info.relative_path, info.offset, info.length, item[2],
+                repr(req.storage_index.fqn), str(expected[1]).removeprefix("torch."),
+                list(expected[0]), list(req.storage_offsets), list(req.lengths),
+                target.data_ptr(), list(target.stride()),
+            ))
+        pool = self._own_pool or _pools.io_pool()
+        fallback = _ext.read_stock_tensors(storage, engine_reqs, pool, self.verify_crc)
+        for item, fell in zip(engine, fallback):
+            if fell:
+                slow.append(item)
             else:
-                pool = self._thread_pool()
-                futures = [
-                    pool.submit(self._read_item, rel, *fds[rel], req, planner)
-                    for rel, req in jobs
-                ]
-                try:
-                    for f in futures:
-                        f.result()
-                finally:
-                    concurrent.futures.wait(futures)  # the fds close only after every read
-        finally:
-            for fd, _ in fds.values():
-                os.close(fd)
+                planner.commit_tensor(item[0], item[3])
+        for item in slow:
+            self._read_item(storage, planner, *item)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -896,43 +689,17 @@ class StockReader(StorageReader):
 
     # -- internals ---------------------------------------------------------
 
-    def _open_data_file(self, rel: str, fqn: str) -> tuple[int, int]:
-        fname = os.path.join(self.path, rel)
-        try:
-            fd = _open_regular(fname)
-        except CorruptionError as e:
-            raise CorruptionError(f"{e} (data file of tensor {fqn!r})") from e
-        except FileNotFoundError as e:
-            raise CorruptionError(f"{fname}: data file of tensor {fqn!r} is missing") from e
-        except OSError as e:
-            raise CorruptionError(
-                f"{fname}: cannot open data file of tensor {fqn!r}: {e.strerror}"
-            ) from e
-        return fd, os.fstat(fd).st_size
-
-    def _read_item(self, rel: str, fd: int, file_size: int, req, planner) -> None:
-        info = self.storage_data[req.storage_index]
-        where = f"{os.path.join(self.path, rel)}: tensor {req.storage_index.fqn!r}"
-        if info.offset + info.length > file_size:
-            raise CorruptionError(
-                f"{where}: data file is truncated (item ends at "
-                f"{info.offset + info.length}, file has {file_size} bytes)"
-            )
-        data = bytearray(info.length)
-        if info.length and os.preadv(fd, [data], info.offset) != info.length:
-            raise CorruptionError(f"{where}: short read")
+    def _read_item(self, storage, planner: LoadPlanner, req, info, where, target=None) -> None:
+        """One item the engine does not fill: a non-tensor value, a tensor in
+        another form than torch.save's plain one, or a destination of another
+        dtype or device."""
+        data = _ext.read_stock_item(storage, info.relative_path, info.offset, info.length,
+                                    where, repr(req.storage_index.fqn))
         if req.type == LoadItemType.BYTE_IO:
-            self._load_bytes(req, data, where, planner)
-        else:
-            self._load_tensor(req, data, where, planner)
-
-    def _load_bytes(self, req, data: bytearray, where: str, planner: LoadPlanner) -> None:
-        if not self.allow_pickle:
-            check_value_is_safe(data, where)
-        with self._lock:
+            if not self.allow_pickle:
+                check_value_is_safe(data, where)
             planner.load_bytes(req, io.BytesIO(data))
-
-    def _load_tensor(self, req, data: bytearray, where: str, planner: LoadPlanner) -> None:
+            return
         t = _decode_tensor(data, where, self.verify_crc)
         expected = self._chunks.get(req.storage_index)
         if expected is not None:
@@ -948,13 +715,17 @@ class StockReader(StorageReader):
             if off < 0 or n < 0 or off + n > t.shape[dim]:
                 raise CorruptionError(f"{where}: request lies outside the stored chunk")
             t = t.narrow(dim, off, n)
-        with self._lock:
-            target = planner.resolve_tensor(req).detach()
-        if target.shape != t.shape:
-            raise CorruptionError(
-                f"{where}: destination slice is {list(target.shape)}, stored slice "
-                f"is {list(t.shape)}"
-            )
         target.copy_(t)
-        with self._lock:
-            planner.commit_tensor(req, target)
+        planner.commit_tensor(req, target)
+
+
+def _engine_can_fill(target: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the engine can write the item into ``target`` itself: CPU memory
+    of the stored dtype, no two elements at one address (a stride 0)."""
+    return (
+        target.device.type == "cpu"
+        and target.dtype == dtype
+        and not target.is_conj()
+        and not target.is_neg()
+        and all(st > 0 or n <= 1 for n, st in zip(target.shape, target.stride()))
+    )

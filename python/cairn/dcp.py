@@ -523,19 +523,19 @@ class Writer(StorageWriter):
 
     def _write_staged(self, key: str, buffers: list[tuple[int, int]]):
         """Writes the rank's data file into the staging directory (page cache, no
-        fsync: it is a transient copy), uploads it to the target (synced there
-        when ``sync_files``), and removes the staged copy whatever happened."""
+        fsync: it is a transient copy) and uploads it to the target while it is
+        being written: each range goes up as soon as it is complete locally, on
+        the upload pool (synced at the target when ``sync_files``). The staged
+        copy is removed whatever happened."""
         local = os.path.join(self.staging_dir, f"cairn-{self.save_id}-r{self.rank}")
         try:
-            file_size, locations = _ext.write_data_file(
-                local, key, buffers, self._thread_pool(), direct_io=False, sync=False,
+            return _ext.write_data_file_staged(
+                local, _uri(self.path), key, buffers, self._thread_pool(),
+                _pools.upload_pool(), direct_io=self.direct_io, sync=self.sync,
                 block_size=self.block_size,
             )
-            _ext.copy_file(local, key, _uri(self.path), key, self._thread_pool(),
-                           direct_io=self.direct_io, sync=self.sync)
         finally:
             shutil.rmtree(local, ignore_errors=True)
-        return file_size, locations
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         extra = {"save_id": self.save_id, "path": self.path, "user": self.user_metadata}

@@ -254,14 +254,6 @@ def drill(root: str, world_size: int = 1, tier: str | None = None, local: str | 
     }
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--_worker":
@@ -300,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"OK: restored {r['checkpoint']}")
     print(f"  tier        {r['tier']}")
     print(f"  ranks       {r['world_size']} (saved on {r['saved_world_size']})")
-    print(f"  tensors     {r['tensors']}, {_human(r['bytes'])}")
+    print(f"  tensors     {r['tensors']}, {_ext.human_bytes(int(r['bytes']))}")
     print(f"  load        {r['load_s']:.3f} s ({gbps:.2f} GB/s, slowest rank, checksums checked)")
     if r["verify_s"] is not None:
         print(f"  verify      {r['verify_s']:.3f} s (every byte)")

@@ -218,10 +218,11 @@ class CheckpointManager:
             checkpoint, because another owner applies retention there (Ray Train's
             ``num_to_keep``, see ``cairn.ray``); partial leftovers are still removed.
         keep_local: checkpoints kept in the local tier (default: ``keep``, or 3).
-        memory_slots: checkpoints held in shared memory (>= 1, default 1). The
-            footprint is ``memory_slots`` × the state size, flat across saves; with
-            one slot, a save overwrites the previous memory-tier checkpoint (the
-            slower tiers still hold it).
+        memory_slots: checkpoints held in shared memory (>= 1; default 1, or 2 with
+            ``replicas``). The footprint is ``memory_slots`` × the state size, flat
+            across saves; with one slot, a save overwrites the previous memory-tier
+            checkpoint (the slower tiers still hold it). Replication needs >= 2 (see
+            ``replicas``).
         durable_every: every Nth save reaches the slower tiers (default 1: every save);
             ``save(..., durable=True)`` forces one.
         process_group: the group whose ranks checkpoint together (default: the world).
@@ -241,6 +242,12 @@ class CheckpointManager:
             limit). Default: no limit beyond the free space, which is always checked.
         orphan_grace: seconds a crashed run's memory tier is kept for its restart
             before the next manager on the node reclaims it (see ``cairn gc``).
+        replicas: copies of each node's memory tier kept in the shared memory of
+            that many peer nodes (default 0; docs/memory.md). Needs ``memory_slots``
+            >= 2 (the default then): with one slot, every node overwrites its previous
+            step while the new one replicates, and a node lost in that window leaves
+            no step in cluster memory; ``memory_slots=1`` with ``replicas`` is refused
+            with InvalidArgumentError.
 
     Thread-safety: one manager per process, used from one thread. ``save()`` returns
     after staging; ``wait()`` blocks until the save is durable; ``close()`` waits,
@@ -250,7 +257,8 @@ class CheckpointManager:
 
     def __init__(self, root: str | os.PathLike, memory: bool = True,
                  local: str | os.PathLike | None = None, keep: int = 3, *,
-                 keep_local: int | None = None, memory_slots: int = 1, durable_every: int = 1,
+                 keep_local: int | None = None, memory_slots: int | None = None,
+                 durable_every: int = 1,
                  process_group: Any = None, timeout: float = 600.0,
                  thread_count: int | None = None, direct_io: bool = True,
                  memory_limit: int | float | None = None,
@@ -258,10 +266,20 @@ class CheckpointManager:
                  replicas: int = 0):
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
             raise InvalidArgumentError(f"replicas must be an int >= 0, got {replicas!r}")
+        if memory_slots is None:
+            memory_slots = 2 if replicas and memory else 1
         for name, v in (("keep", 1 if keep is None else keep), ("memory_slots", memory_slots),
                         ("durable_every", durable_every)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
+        if replicas and memory and memory_slots < 2:
+            # With one slot the save of step s overwrites step s-1 in every node's
+            # memory tier before s is replicated: a node lost in that window leaves no
+            # step whole in cluster memory, whatever the peers keep.
+            raise InvalidArgumentError(
+                f"replicas={replicas} needs memory_slots >= 2, got {memory_slots}: with one "
+                "slot a node lost while a save replicates leaves no step in cluster memory "
+                "(the previous one is overwritten on every node)")
         if keep_local is not None and (not isinstance(keep_local, int) or keep_local < 1):
             raise InvalidArgumentError(f"keep_local must be an int >= 1, got {keep_local!r}")
         if not timeout or timeout <= 0:

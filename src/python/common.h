@@ -16,6 +16,11 @@
 
 namespace cairn::python {
 
+// A Storage owned by Python (_ext.Storage, from _ext.open_storage).
+struct PyStorage {
+  std::unique_ptr<Storage> s;
+};
+
 // Raises the Python exception matching `s` (see cairn/errors.py). `s` must
 // not be OK.
 [[noreturn]] void RaiseStatus(const Status& s);
@@ -55,5 +60,6 @@ void RegisterCheckpoint(nanobind::module_& m);
 void RegisterStaging(nanobind::module_& m);
 void RegisterCache(nanobind::module_& m);
 void RegisterTier(nanobind::module_& m);
+void RegisterStock(nanobind::module_& m);
 
 }  // namespace cairn::python

@@ -29,4 +29,5 @@ NB_MODULE(_ext, m) {
   cairn::python::RegisterStaging(m);
   cairn::python::RegisterCache(m);
   cairn::python::RegisterTier(m);
+  cairn::python::RegisterStock(m);
 }

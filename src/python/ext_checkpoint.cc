@@ -167,6 +167,54 @@ void RegisterCheckpoint(nb::module_& m) {
       "parallel ranges (synced unless sync=False). Returns the bytes copied.");
 
   m.def(
+      "write_data_file_staged",
+      [](const std::string& stage_uri, const std::string& target_uri, const std::string& key,
+         const std::vector<std::pair<uintptr_t, uint64_t>>& buffers, ThreadPool& pool,
+         ThreadPool& copy_pool, bool direct_io, bool sync, uint64_t block_size) {
+        std::vector<BufferRef> refs;
+        refs.reserve(buffers.size());
+        for (const auto& [addr, size] : buffers) {
+          refs.push_back({reinterpret_cast<const void*>(addr), size});
+        }
+        DataFileOptions opts = MakeDataFileOptions(false, false, block_size);
+        Result<DataFileResult> r = InternalError("unset");
+        {
+          nb::gil_scoped_release release;
+          auto stage = OpenStorage(stage_uri, /*create=*/true);
+          auto target = OpenStorage(target_uri, /*create=*/true);
+          if (!stage.ok()) {
+            r = stage.status();
+          } else if (!target.ok()) {
+            r = target.status();
+          } else {
+            CopyFileOptions copy;
+            copy.direct_io = direct_io;
+            copy.sync = sync;
+            // Small ranges: the upload starts once the first 4 MiB are staged
+            // (16 MiB made the staged save 0.25 s slower than its bandwidth
+            // bound at 50 MB/s; an S3 target still sends whole parts).
+            copy.chunk_bytes = uint64_t{4} << 20;
+            r = WriteDataFileStaged(stage->get(), target->get(), key, refs, &pool, &copy_pool, opts,
+                                    copy);
+          }
+        }
+        DataFileResult res = ValueOrThrow(std::move(r));
+        nb::list items;
+        for (const auto& loc : res.items) {
+          nb::list sums;
+          for (uint64_t c : loc.checksums) sums.append(c);
+          items.append(nb::make_tuple(loc.offset, loc.length, sums));
+        }
+        return nb::make_tuple(res.file_size, items);
+      },
+      nb::arg("stage_uri"), nb::arg("target_uri"), nb::arg("key"), nb::arg("buffers"),
+      nb::arg("pool"), nb::arg("copy_pool"), nb::arg("direct_io") = false, nb::arg("sync") = true,
+      nb::arg("block_size") = format::kDefaultBlockSize,
+      "write_data_file into `key` of the local `stage_uri`, copied to `key` of `target_uri`\n"
+      "while it is being written (each range as soon as it is complete, on `copy_pool`;\n"
+      "the target synced unless sync=False). Returns write_data_file's result.");
+
+  m.def(
       "commit_manifest",
       [](const std::string& uri, const Manifest& manifest) {
         Status s;

@@ -22,11 +22,6 @@ namespace nb = nanobind;
 namespace cairn::python {
 namespace {
 
-// A Storage owned by Python.
-struct PyStorage {
-  std::unique_ptr<Storage> s;
-};
-
 // A FaultInjector, optionally registered under a name for fault:// URIs.
 struct PyFaultInjector {
   std::shared_ptr<FaultInjector> inj = std::make_shared<FaultInjector>();

@@ -1,6 +1,7 @@
 // Bindings for memory-tier bookkeeping (include/cairn/memory_tier.h): the
 // listing and the orphan decision live in C++; Python only converts.
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <memory>
@@ -100,6 +101,41 @@ void RegisterTier(nb::module_& m) {
         return d;
       },
       nb::arg("dir"));
+  m.def(
+      "slot_growth",
+      [](const std::string& path, uint64_t used) {
+        return ValueOrThrow(SlotGrowth(path, used, internal::MappedShmFile::kGrowAlign));
+      },
+      nb::arg("path"), nb::arg("used"),
+      "Bytes the slot file at `path` must grow by to hold `used` bytes (0 when it is big "
+      "enough).");
+  m.def(
+      "check_shared_memory_room",
+      [](const std::string& shm_root, uint64_t grow) {
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          s = CheckSharedMemoryRoom(shm_root, grow);
+        }
+        ThrowIfError(s);
+      },
+      nb::arg("shm_root"), nb::arg("grow"),
+      "Raises ResourceExhaustedError when `grow` bytes do not fit in the node's shared memory.");
+  m.def(
+      "check_memory_budget",
+      [](const std::vector<std::tuple<std::string, uint64_t, bool, uint64_t, uint64_t, uint64_t>>&
+             reports,
+         const std::string& limit_arg) {
+        std::vector<MemoryBudgetReport> rs;
+        for (const auto& [node, grow, leader, footprint, room, limit] : reports) {
+          rs.push_back({node, grow, leader, footprint, room, limit});
+        }
+        ThrowIfError(CheckMemoryBudget(rs, limit_arg));
+      },
+      nb::arg("reports"), nb::arg("limit_arg"),
+      "The budget verdict on every rank's (node, grow, leader, footprint, room, limit): raises "
+      "ResourceExhaustedError naming the node whose memory tier would pass its limit or room.");
+  m.def("human_bytes", &HumanBytes, nb::arg("n"), "'512 B', '1.5 MiB', ...");
   m.def(
       "allocated_bytes", [](const std::string& dir) { return ValueOrThrow(AllocatedBytes(dir)); },
       nb::arg("dir"));

@@ -12,18 +12,17 @@ Phases (round-robin over trials): train (after the N-th optimizer step), stage
 (half-way through the N-th staging copy), replicate (the N-th replication about to
 start, memory tier committed), persist (the N-th durable save's data files written,
 manifest not yet), timer (a random delay: whatever the run is doing). The run keeps
-two memory slots (and so two replica slots): a node lost while one step replicates
-still has the previous step's replica on its peer. (With one slot, a node lost
-mid-replication has none: the slot was uncommitted first; see docs/memory.md.) Layouts: 2x1
+two memory slots (and so two replica slots), the least replicas accept: a node lost
+while one step replicates still has the previous step in memory and on its peer. Layouts: 2x1
 and 2x2 (nodes x ranks per node). Lost: node b, node a, or both (round-robin).
 
 Each trial checks: the restarted job finished; the final parameters are bitwise equal
 to the uninterrupted reference's; every (rank, step) consumed the same sample ids as
 in the reference, and a replayed step the same ids both times; each rank restored from
 a tier it may (losing both nodes leaves only the durable tier). Exits non-zero if any
-trial fails; prints the restored tiers per phase. Known: 2x2 trials fail the
-parameter check from any tier, the durable one included, because a 4-rank resume of
-examples/train.py is not bit-exact even on one node (not replication's; see issue 12). ``trial()`` is what the pytest CI
+trial fails; prints the restored tiers per phase. (A 4-rank run is bit-exact only because
+examples/train.py calls ``cairn.settle_ddp_buckets``: DDP's first step reduces in
+another bucket layout than its later ones.) ``trial()`` is what the pytest CI
 subset (tests/python/test_replication.py) runs.
 """
 

@@ -471,6 +471,33 @@ class FullDiskStorage final : public StorageWrapper {
   std::string prefix_;
 };
 
+// A storage where another process deletes `victim_` right after Exists() saw it:
+// the race of several local ranks uncommitting their node's shared slot.
+class RacingDeleteStorage final : public StorageWrapper {
+ public:
+  RacingDeleteStorage(Storage* target, std::string victim)
+      : StorageWrapper(target), victim_(std::move(victim)) {}
+  Result<bool> Exists(std::string_view key) override {
+    Result<bool> r = target()->Exists(key);
+    if (r.ok() && *r && key == victim_) {
+      Status s = target()->DeleteFile(key);  // the other rank wins the race
+      if (!s.ok()) return s;
+    }
+    return r;
+  }
+
+ private:
+  std::string victim_;
+};
+
+TEST_P(CheckpointTest, UncommitOfAManifestAnotherProcessJustRemovedSucceeds) {
+  ASSERT_TRUE(Save("ck").ok());
+  RacingDeleteStorage racing(fs_.get(), "ck/cairn.manifest");
+  Status s = UncommitCheckpoint(&racing, "ck");
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(ReadManifest(fs_.get(), "ck").status().code(), StatusCode::kNotFound);
+}
+
 TEST(CheckpointWriterTest, DiskFullFailsCleanlyAndKeepsEarlierCheckpoints) {
   FullDiskStorage fs("run/step_2/");
   ThreadPool pool(2);

@@ -258,3 +258,22 @@ def test_device_staging_path_cpu_fallback_round_trips(tmp_path):
     dcp.load(loaded, storage_reader=cairn.Reader(os.path.join(root, "step_0000000001")))
     for k in expected:
         assert torch.equal(loaded[k], expected[k]), k
+
+
+def test_replicas_refuse_a_single_memory_slot_and_default_to_two(tmp_path):
+    """With one slot a node lost while a save replicates leaves no step in cluster
+    memory: replicas need two slots, the default with replicas; one is refused."""
+    with pytest.raises(cairn.InvalidArgumentError, match="memory_slots >= 2"):
+        cairn.CheckpointManager(str(tmp_path / "a"), replicas=1, memory_slots=1)
+    mgr = cairn.CheckpointManager(str(tmp_path / "b"), replicas=1)
+    try:
+        assert mgr.num_slots == 2
+    finally:
+        mgr.close()
+    mgr = cairn.CheckpointManager(str(tmp_path / "c"), memory=False, replicas=1, memory_slots=1)
+    mgr.close()
+    mgr = cairn.CheckpointManager(str(tmp_path / "d"))
+    try:
+        assert mgr.num_slots == 1
+    finally:
+        mgr.close()

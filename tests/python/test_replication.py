@@ -4,11 +4,12 @@ restores from the peer replica, losing both from the durable tier, a corrupt rep
 is never trusted; each run ends bit-identical to an uninterrupted one and consumed the
 same samples.
 
-CI runs (about 4 job runs of 2 nodes x 1 rank: the reference and two trials of two
-attempts each): a node lost at a random training step restores its rank from the
-peer replica (one node-loss chaos trial, tests/chaos/node_chaos.py), and a corrupt
-replica is never trusted. CAIRN_SLOW=1 adds: losing one node while it holds (with the
-``cairn ls --memory`` check), losing both nodes, and 2 nodes x 2 ranks losing one node.
+CI runs (about 7 job runs: a reference and a trial of two attempts each for 2 nodes x
+1 rank and 2 nodes x 2 ranks, and the corrupt-replica run): a node lost at a random
+training step restores its ranks from the peer replica (one node-loss chaos trial per
+layout, tests/chaos/node_chaos.py), and a corrupt replica is never trusted.
+CAIRN_SLOW=1 adds: losing one node while it holds (with the ``cairn ls --memory``
+check), losing both nodes, and 2 nodes x 2 ranks losing one node while it holds.
 The long node-loss chaos run is ``python tests/chaos/node_chaos.py --trials N``."""
 
 import os
@@ -66,6 +67,15 @@ def reference(tmp_path_factory):
     finally:
         for n in nodes:
             n.lose()
+
+
+@pytest.fixture(scope="module")
+def reference2(tmp_path_factory):
+    """The uninterrupted 2 nodes x 2 ranks run: (workdir, final state, samples, dir)."""
+    tmp = tmp_path_factory.mktemp("ref2")
+    ref = node_chaos.reference(str(tmp), 2)
+    return (tmp, torch.load(os.path.join(ref, "final.pt")),
+            samples(os.path.join(ref, "samples")), ref)
 
 
 def run_with_loss(reference, name, lose, corrupt=False, per=1):
@@ -154,20 +164,27 @@ def test_a_corrupt_replica_is_never_trusted(reference):
     check_exact(reference, final, seen)
 
 
+def test_two_ranks_per_node_a_node_lost_at_a_random_training_step(reference2):
+    """The CI 2 nodes x 2 ranks chaos trial: node b's first rank is SIGKILLed after a
+    random optimizer step past the first replicated save, node b is lost, node a's
+    processes are killed, the job restarts: ranks 2 and 3 restore from node a's
+    replicas, ranks 0 and 1 from their own memory, and the run ends bit-identical to
+    the uninterrupted one (the trial checks parameters and samples)."""
+    tmp, _, _, ref = reference2
+    n = random.Random().randrange(7, 12)
+    r = node_chaos.trial(str(tmp), ref, "chaos2", 2, f"train:{n}:all", (1,))
+    assert r["killed"] and not r["errors"], r
+    steps = {s for s, _ in r["restored"]}
+    assert len(steps) == 1 and steps.pop() in range(4, n, 2), r
+    assert [t for _, t in r["restored"]] == ["memory"] * 2 + ["peer"] * 2, r
+
+
 @slow
-def test_two_ranks_per_node_losing_one_node_restores_its_ranks_from_the_peer(tmp_path):
-    """2 nodes x 2 ranks: node b (ranks 2, 3) is lost; its ranks restore from node a's
-    replicas, node a's from its own memory; same samples. Bit-identical parameters
-    are expected too, but a 4-rank resume of examples/train.py is not exact from any
-    tier yet (xfail, not replication's)."""
-    ref = node_chaos.reference(str(tmp_path), 2)
-    reference2 = (tmp_path, torch.load(os.path.join(ref, "final.pt")),
-                  samples(os.path.join(ref, "samples")))
-    job, final, seen, _ = run_with_loss(reference2, "one2", lose={1}, per=2)
+def test_two_ranks_per_node_losing_one_node_restores_its_ranks_from_the_peer(reference2):
+    """2 nodes x 2 ranks: node b (ranks 2, 3) is lost while it holds; its ranks
+    restore from node a's replicas, node a's from its own memory; same samples and
+    bit-identical parameters."""
+    job, final, seen, _ = run_with_loss(reference2[:3], "one2", lose={1}, per=2)
     assert [restored(job, r) for r in range(4)] == [f"({HOLD}, 'memory')"] * 2 + [
         f"({HOLD}, 'peer')"] * 2
-    assert seen == reference2[2]
-    if not all(torch.equal(final[k], reference2[1][k]) for k in final):
-        # Not replication's: a 4-rank examples/train.py run resumed from the durable
-        # tier on one node under torchrun is not bit-exact either (issue 12 report).
-        pytest.xfail("4-rank resume of examples/train.py is not bit-exact (any tier)")
+    check_exact(reference2[:3], final, seen)

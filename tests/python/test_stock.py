@@ -371,3 +371,17 @@ def test_check_value_is_safe_accepts_plain_values_and_refuses_code():
     torch.save(_Reduce(os.system, ("true",)), buf)
     with pytest.raises(cairn.CorruptionError, match="allow_pickle"):
         check_value_is_safe(buf.getvalue(), "item")
+
+
+def test_engine_fills_strided_and_other_dtype_destinations_exactly(tmp_path):
+    """The C++ engine writes through a destination's strides; a destination
+    of another dtype takes the torch.load path and is converted by copy_."""
+    path = tmp_path / "stock"
+    src = {"t": torch.arange(24, dtype=torch.float32).reshape(4, 6),
+           "d": torch.arange(6, dtype=torch.float32)}
+    dcp.save(src, checkpoint_id=str(path))
+    base = torch.zeros(6, 4)
+    sd = {"t": base.t(), "d": torch.zeros(6, dtype=torch.float64)}  # t: a strided view
+    _dcp_load(sd, StockReader(str(path)))
+    assert torch.equal(base.t(), src["t"])
+    assert sd["d"].dtype == torch.float64 and torch.equal(sd["d"], src["d"].double())

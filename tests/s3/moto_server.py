@@ -126,6 +126,26 @@ class MotoServer:
         return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.key_id,
                             aws_secret_access_key=self.secret, region_name=REGION)
 
+    def cpu_seconds(self):
+        """CPU time (user + system, seconds) used so far by the server's process
+        group: the benchmark reads it around each operation to show how busy
+        moto was (a Python server under one GIL: ~1.0 s per second is saturated)."""
+        if self.proc is None:
+            return 0.0
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.proc.pid:  # field 5, pgrp
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / tick
+
     def stop(self):
         if self.proc is None:
             return

@@ -1,0 +1,144 @@
+// Bindings for the stock-checkpoint reader (include/cairn/stock.h).
+//
+// Destinations cross as raw CPU addresses with their strides (the caller
+// keeps the tensors alive for the call); the GIL is released while bytes move.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "cairn/stock.h"
+#include "common.h"
+
+namespace nb = nanobind;
+
+namespace cairn::python {
+namespace {
+
+using TensorRequestTuple = std::tuple<std::string, uint64_t, uint64_t, std::string, std::string,
+                                      std::string, std::vector<int64_t>, std::vector<int64_t>,
+                                      std::vector<int64_t>, uintptr_t, std::vector<int64_t>>;
+
+// A contiguous buffer (bytes, bytearray, memoryview) held for the call.
+class BufferView {
+ public:
+  explicit BufferView(nb::handle obj) {
+    if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
+  }
+  ~BufferView() { PyBuffer_Release(&view_); }
+  const void* data() const { return view_.buf; }
+  uint64_t size() const { return static_cast<uint64_t>(view_.len); }
+
+ private:
+  Py_buffer view_;
+};
+
+}  // namespace
+
+void RegisterStock(nb::module_& m) {
+  m.def(
+      "read_stock_tensors",
+      [](PyStorage& storage, const std::vector<TensorRequestTuple>& requests, ThreadPool& pool,
+         bool verify_crc) {
+        std::vector<stock::TensorRequest> reqs;
+        reqs.reserve(requests.size());
+        for (const auto& [file, offset, length, where, fqn, dtype, chunk, slice_off, slice_len,
+                          dest, dest_stride] : requests) {
+          stock::TensorRequest r;
+          r.file = file;
+          r.offset = offset;
+          r.length = length;
+          r.where = where;
+          r.fqn = fqn;
+          r.dtype = dtype;
+          r.chunk_size = chunk;
+          r.slice_offset = slice_off;
+          r.slice_length = slice_len;
+          r.dest = reinterpret_cast<void*>(dest);
+          r.dest_stride = dest_stride;
+          reqs.push_back(std::move(r));
+        }
+        std::vector<bool> fallback;
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          s = stock::ReadTensors(storage.s.get(), reqs, &pool, verify_crc, &fallback);
+        }
+        ThrowIfError(s);
+        return fallback;
+      },
+      nb::arg("storage"), nb::arg("requests"), nb::arg("pool"), nb::arg("verify_crc"),
+      "Loads tensor items of the stock checkpoint rooted at `storage` into CPU memory. "
+      "requests: (file, offset, length, where, fqn_repr, dtype, chunk_size, slice_offset, "
+      "slice_length, dest_address, dest_stride). Returns, per request, True when its archive "
+      "is not torch.save's plain form (nothing written: decode it another way).");
+  m.def(
+      "read_stock_item",
+      [](PyStorage& storage, const std::string& file, uint64_t offset, uint64_t length,
+         const std::string& where, const std::string& fqn) {
+        nb::object out = nb::steal(PyByteArray_FromStringAndSize(nullptr, 0));
+        if (PyByteArray_Resize(out.ptr(), static_cast<Py_ssize_t>(length)) != 0) {
+          throw nb::python_error();
+        }
+        void* dest = PyByteArray_AsString(out.ptr());
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          s = stock::ReadItem(storage.s.get(), file, offset, length, where, fqn, dest);
+        }
+        ThrowIfError(s);
+        return out;
+      },
+      nb::arg("storage"), nb::arg("file"), nb::arg("offset"), nb::arg("length"), nb::arg("where"),
+      nb::arg("fqn_repr"), "One item's bytes as a bytearray, bounds-checked against the file.");
+  m.def(
+      "is_stock_checkpoint",
+      [](const std::string& uri) {
+        nb::gil_scoped_release release;
+        Result<std::unique_ptr<Storage>> storage = OpenStorage(uri, /*create=*/false);
+        return storage.ok() && stock::IsStockCheckpoint(storage->get());
+      },
+      nb::arg("uri"), "Whether `uri` is a directory holding a stock DCP metadata pickle.");
+  m.def(
+      "read_stock_metadata_file",
+      [](const std::string& uri, const std::string& name, uint64_t max_size) {
+        Result<std::string> raw = WithStorage<std::string>(
+            uri, false, [&](Storage* st) { return stock::ReadMetadataFile(st, name, max_size); });
+        std::string bytes = ValueOrThrow(std::move(raw));
+        return nb::bytes(bytes.data(), bytes.size());
+      },
+      nb::arg("uri"), nb::arg("name"), nb::arg("max_size"),
+      "The bytes of a stock checkpoint's metadata file, bounded, no symlink, no FIFO.");
+  m.def(
+      "decode_stock_tensor",
+      [](nb::handle buffer, const std::string& where,
+         bool verify_crc) -> std::optional<std::tuple<std::string, uint64_t, uint64_t, int64_t,
+                                                      std::vector<int64_t>, std::vector<int64_t>>> {
+        BufferView buf(buffer);
+        Result<stock::TensorRecord> rec = InternalError("unset");
+        {
+          nb::gil_scoped_release release;
+          stock::MemoryFile file(buf.data(), buf.size());
+          rec = [&]() -> Result<stock::TensorRecord> {
+            CAIRN_ASSIGN_OR_RETURN(auto entries, stock::ReadZipDirectory(file));
+            if (verify_crc) {  // every stored entry, before anything is decoded
+              for (const stock::ZipEntry& e : entries) {
+                if (e.method != 0) continue;
+                CAIRN_RETURN_IF_ERROR(stock::VerifyEntry(
+                    e, static_cast<const char*>(buf.data()) + e.data_begin, e.size));
+              }
+            }
+            return stock::DecodeTensorRecord(file, entries, /*verify_crc=*/false);
+          }();
+        }
+        if (!rec.ok() && rec.status().code() == StatusCode::kUnimplemented) return std::nullopt;
+        if (!rec.ok()) RaiseStatus(rec.status().WithContext(where));
+        return std::make_tuple(rec->dtype, rec->storage.data_begin, rec->storage_numel,
+                               rec->storage_offset, rec->size, rec->stride);
+      },
+      nb::arg("buffer"), nb::arg("where"), nb::arg("verify_crc"),
+      "Decodes the torch.save archive in `buffer`: (dtype, storage byte offset, storage numel, "
+      "storage offset, size, stride), or None when it is not the plain one-tensor form.");
+}
+
+}  // namespace cairn::python
