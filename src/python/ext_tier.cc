@@ -112,12 +112,7 @@ void RegisterTier(nb::module_& m) {
   m.def(
       "check_shared_memory_room",
       [](const std::string& shm_root, uint64_t grow) {
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = CheckSharedMemoryRoom(shm_root, grow);
-        }
-        ThrowIfError(s);
+        WithoutGil([&] { return CheckSharedMemoryRoom(shm_root, grow); });
       },
       nb::arg("shm_root"), nb::arg("grow"),
       "Raises ResourceExhaustedError when `grow` bytes do not fit in the node's shared memory.");
