@@ -230,46 +230,46 @@ def torch_load(ctx: Context, path: Path) -> tuple[float, dict]:
     return time.perf_counter() - t0, out
 
 
-def dcp_save(ctx: Context) -> tuple[float, Path]:
-    path = ctx.fresh_path("dcp")
+def _timed_dcp_save(ctx: Context, name: str, writer: Callable[[str], object]
+                    ) -> tuple[float, Path]:
+    """dcp.save of ctx.state into a fresh directory through writer(path)."""
+    path = ctx.fresh_path(name)
     os.sync()
     t0 = time.perf_counter()
-    dcp.save(ctx.state, storage_writer=dcp.FileSystemWriter(str(path)))
+    dcp.save(ctx.state, storage_writer=writer(str(path)))
     return time.perf_counter() - t0, path
+
+
+def _timed_dcp_load(ctx: Context, path: Path, reader: Callable[[str], object]
+                    ) -> tuple[float, dict]:
+    """Cold dcp.load of `path` into a blank copy of ctx.state through reader(path)."""
+    dest = like(ctx.state)
+    ctx.cold()
+    t0 = time.perf_counter()
+    dcp.load(dest, storage_reader=reader(str(path)))
+    return time.perf_counter() - t0, dest
+
+
+def dcp_save(ctx: Context) -> tuple[float, Path]:
+    return _timed_dcp_save(ctx, "dcp", dcp.FileSystemWriter)
 
 
 def dcp_load(ctx: Context, path: Path) -> tuple[float, dict]:
-    dest = like(ctx.state)
-    ctx.cold()
-    t0 = time.perf_counter()
-    dcp.load(dest, storage_reader=dcp.FileSystemReader(str(path)))
-    return time.perf_counter() - t0, dest
+    return _timed_dcp_load(ctx, path, dcp.FileSystemReader)
 
 
 def cairn_save(ctx: Context) -> tuple[float, Path]:
-    path = ctx.fresh_path("cairn")
-    os.sync()
-    t0 = time.perf_counter()
-    dcp.save(ctx.state, storage_writer=cairn.Writer(str(path)))
-    return time.perf_counter() - t0, path
+    return _timed_dcp_save(ctx, "cairn", cairn.Writer)
 
 
 def cairn_load(ctx: Context, path: Path) -> tuple[float, dict]:
-    dest = like(ctx.state)
-    ctx.cold()
-    t0 = time.perf_counter()
-    dcp.load(dest, storage_reader=cairn.Reader(str(path)))
-    return time.perf_counter() - t0, dest
+    return _timed_dcp_load(ctx, path, cairn.Reader)
 
 
 def stock_cairn_load(ctx: Context, path: Path) -> tuple[float, dict]:
     """cairn.Reader on a checkpoint written by stock dcp.save (the migration path:
     cairn._stock_reader.StockReader, CRC-checked, no unsafe unpickling)."""
-    dest = like(ctx.state)
-    ctx.cold()
-    t0 = time.perf_counter()
-    dcp.load(dest, storage_reader=cairn.Reader(str(path)))
-    return time.perf_counter() - t0, dest
+    return _timed_dcp_load(ctx, path, cairn.Reader)
 
 
 # Async saves. A stall function makes one save of a series (round 0 is the first,
@@ -366,37 +366,35 @@ def manager_stall(ctx: Context, rnd: int) -> dict:
                       lambda: mgr.save(rnd, ctx.state), lambda _: mgr.wait())
 
 
+def _timed_restore(ctx: Context, mgr, rnd: int, tier: str, where: str, check: bool,
+                   cold: bool) -> float:
+    """Seconds mgr.restore() takes into a blank state; raises unless it restored step
+    `rnd` from `tier` (and, with check, the saved values)."""
+    dest = like(ctx.state)
+    trim()
+    if cold:
+        ctx.cold()
+    t0 = time.perf_counter()
+    step = mgr.restore(dest)
+    seconds = time.perf_counter() - t0
+    if step != rnd or mgr.restored != (rnd, tier):
+        raise RuntimeError(f"manager restored {mgr.restored}, expected ({rnd}, '{tier}')")
+    if check and not same(dest, ctx.state):
+        raise RuntimeError(f"manager: the state restored from {where} differs from the saved one")
+    return seconds
+
+
 def manager_restore(ctx: Context, rnd: int, check: bool) -> dict[str, float]:
     """restore() of the step just saved: by the saving manager, from its memory tier;
     by a manager with memory=False, from the durable tier, cold."""
-    mgr = _manager(ctx)
-    dest = like(ctx.state)
-    trim()
-    t0 = time.perf_counter()
-    step = mgr.restore(dest)
-    memory_s = time.perf_counter() - t0
-    if step != rnd or mgr.restored != (rnd, "memory"):
-        raise RuntimeError(f"manager restored {mgr.restored}, expected ({rnd}, 'memory')")
-    if check and not same(dest, ctx.state):
-        raise RuntimeError("manager: the state restored from memory differs from the saved one")
-    del dest
+    memory_s = _timed_restore(ctx, _manager(ctx), rnd, "memory", "memory", check, cold=False)
     disk = ctx.sessions.get("manager-disk")
     if disk is None:
         # Closed after the saving manager (closing removes the run's shm directory).
         disk = ctx.sessions["manager-disk"] = cairn.CheckpointManager(
             ctx.scratch / "manager", memory=False, keep=1)
         ctx.closers.append(disk.close)
-    dest = like(ctx.state)
-    trim()
-    ctx.cold()
-    t0 = time.perf_counter()
-    step = disk.restore(dest)
-    disk_s = time.perf_counter() - t0
-    if step != rnd or disk.restored != (rnd, "durable"):
-        raise RuntimeError(f"manager restored {disk.restored}, expected ({rnd}, 'durable')")
-    if check and not same(dest, ctx.state):
-        raise RuntimeError("manager: the state restored from disk differs from the saved one")
-    del dest
+    disk_s = _timed_restore(ctx, disk, rnd, "durable", "disk", check, cold=True)
     trim()
     return {"restore memory": memory_s, "restore disk (cold)": disk_s}
 

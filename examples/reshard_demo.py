@@ -36,20 +36,26 @@ import cairn  # noqa: E402
 STEPS = 3
 
 
+def shard_linears(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """FSDP2 as this demo uses it: every Linear its own unit, then the whole model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def build(world: int):
     from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: F401
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10)
     )
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_linears(model, mesh)
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 

@@ -7,7 +7,16 @@
 
 #include "cairn/memory_tier.h"
 
-namespace cairn::cli {
+namespace cairn {
+
+// The JSON of `cairn ls-memory --json`: one object per tier, keys named as the
+// fields (an owner's start_time and boot_id stay out: they only identify it).
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MemoryTierOwner, pid, hostname, rank, state, heartbeat)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MemoryTierInfo, name, path, kind, bytes, steps, run_root, run_id,
+                                   created, last_restored, last_active, owners, in_use, orphaned,
+                                   reason)
+
+namespace cli {
 
 namespace {
 
@@ -27,31 +36,6 @@ std::string State(const MemoryTierInfo& t) {
   return (t.orphaned ? "orphaned: " : "idle: ") + t.reason;
 }
 
-nlohmann::json ToJson(const MemoryTierInfo& t) {
-  nlohmann::json owners = nlohmann::json::array();
-  for (const auto& o : t.owners) {
-    owners.push_back({{"pid", o.pid},
-                      {"hostname", o.hostname},
-                      {"rank", o.rank},
-                      {"state", o.state},
-                      {"heartbeat", o.heartbeat}});
-  }
-  return {{"name", t.name},
-          {"path", t.path},
-          {"kind", t.kind},
-          {"bytes", t.bytes},
-          {"steps", t.steps},
-          {"run_root", t.run_root},
-          {"run_id", t.run_id},
-          {"created", t.created},
-          {"last_restored", t.last_restored},
-          {"last_active", t.last_active},
-          {"owners", owners},
-          {"in_use", t.in_use},
-          {"orphaned", t.orphaned},
-          {"reason", t.reason}};
-}
-
 MemoryTierScanOptions Scan(const MemoryCommandOptions& opts) {
   MemoryTierScanOptions s;
   s.shm_root = opts.shm_root;
@@ -69,7 +53,7 @@ int CmdLsMemory(const MemoryCommandOptions& opts) {
   }
   if (opts.as_json) {
     nlohmann::json all = nlohmann::json::array();
-    for (const auto& t : *tiers) all.push_back(ToJson(t));
+    for (const auto& t : *tiers) all.push_back(t);
     std::printf("%s\n", all.dump(2).c_str());
     return 0;
   }
@@ -110,4 +94,5 @@ int CmdGc(const MemoryCommandOptions& opts) {
   return 0;
 }
 
-}  // namespace cairn::cli
+}  // namespace cli
+}  // namespace cairn

@@ -8,6 +8,8 @@
 
 #include "cairn/cache.h"
 #include "common.h"
+#include "struct_fields.h"
+#include "without_gil.h"
 
 namespace nb = nanobind;
 
@@ -44,13 +46,10 @@ void RegisterCache(nb::module_& m) {
   m.def(
       "list_source",
       [](const std::string& uri) {
-        Result<std::vector<SourceFile>> listed = InternalError("unset");
-        {
-          nb::gil_scoped_release nogil;
-          auto src = OpenSourceStorage(uri);
-          listed = src.ok() ? ListFiles(src->get()) : Result<std::vector<SourceFile>>(src.status());
-        }
-        std::vector<SourceFile> files = ValueOrThrow(std::move(listed));
+        std::vector<SourceFile> files = WithoutGil([&]() -> Result<std::vector<SourceFile>> {
+          CAIRN_ASSIGN_OR_RETURN(auto src, OpenSourceStorage(uri));
+          return ListFiles(src.get());
+        });
         std::vector<std::string> keys;
         std::vector<uint64_t> sizes;
         keys.reserve(files.size());
@@ -74,19 +73,13 @@ void RegisterCache(nb::module_& m) {
       .def(
           "read",
           [](PySourceReader& self, const std::string& key) {
-            std::string buf;
-            Status s;
-            {
-              nb::gil_scoped_release nogil;
-              auto f = self.source->NewReadableFile(key);
-              if (!f.ok()) {
-                s = f.status();
-              } else {
-                buf.resize((*f)->Size());
-                s = (*f)->ReadAt(0, buf.data(), buf.size());
-              }
-            }
-            ThrowIfError(s.WithContext("reading " + key + " from " + self.source->Describe()));
+            std::string buf = WithoutGil([&]() -> Result<std::string> {
+              auto r = ReadWholeFile(*self.source, key);
+              if (!r.ok())
+                return r.status().WithContext("reading " + key + " from " +
+                                              self.source->Describe());
+              return r;
+            });
             return nb::bytes(buf.data(), buf.size());
           },
           nb::arg("key"), "Reads the whole file `key` from the source.");
@@ -108,19 +101,12 @@ void RegisterCache(nb::module_& m) {
             o.prefetch_files = prefetch_files;
             o.prefetch_bytes = prefetch_bytes;
             o.wait_timeout_s = timeout;
-            Result<std::unique_ptr<FileCache>> c = InternalError("unset");
             auto pool = std::make_unique<ThreadPool>(threads);
-            {
-              nb::gil_scoped_release nogil;
-              auto src = OpenSourceStorage(source);
-              if (src.ok()) {
-                c = FileCache::Open(std::move(*src), std::move(files), pool.get(), o);
-              } else {
-                c = src.status();
-              }
-            }
-            if (!c.ok()) RaiseStatus(c.status());
-            new (self) PyFileCache{std::move(pool), std::move(*c)};
+            auto c = WithoutGil([&]() -> Result<std::unique_ptr<FileCache>> {
+              CAIRN_ASSIGN_OR_RETURN(auto src, OpenSourceStorage(source));
+              return FileCache::Open(std::move(src), std::move(files), pool.get(), o);
+            });
+            new (self) PyFileCache{std::move(pool), std::move(c)};
           },
           nb::arg("source"), nb::arg("cache_dir"), nb::arg("limit"), nb::arg("keys"),
           nb::arg("sizes"), nb::arg("threads") = 8, nb::arg("prefetch_files") = 32,
@@ -129,38 +115,23 @@ void RegisterCache(nb::module_& m) {
           "set_plan",
           [](PyFileCache& self, IdArray order, IdArray next_order, IdArray positions) {
             auto o = ToVector(order), n = ToVector(next_order), p = ToVector(positions);
-            Status s;
             FileCache* c = Live(self);
-            {
-              nb::gil_scoped_release nogil;
-              s = c->SetPlan(std::move(o), std::move(n), std::move(p));
-            }
-            ThrowIfError(s);
+            WithoutGil([&] { return c->SetPlan(std::move(o), std::move(n), std::move(p)); });
           },
           nb::arg("order"), nb::arg("next_order"), nb::arg("positions"))
       .def("plan_file", [](PyFileCache& self, size_t i) { return Live(self)->PlanFile(i); })
       .def(
           "acquire",
           [](PyFileCache& self, size_t i) {
-            Result<std::string> r = InternalError("unset");
             FileCache* c = Live(self);
-            {
-              nb::gil_scoped_release nogil;
-              r = c->Acquire(i);
-            }
-            return ValueOrThrow(std::move(r));
+            return WithoutGil([&] { return c->Acquire(i); });
           },
           nb::arg("i"), "Waits for plan entry i; returns its local path (pinned).")
       .def(
           "acquire_file",
           [](PyFileCache& self, int64_t id) {
-            Result<std::string> r = InternalError("unset");
             FileCache* c = Live(self);
-            {
-              nb::gil_scoped_release nogil;
-              r = c->AcquireFile(id);
-            }
-            return ValueOrThrow(std::move(r));
+            return WithoutGil([&] { return c->AcquireFile(id); });
           },
           nb::arg("id"))
       .def(
@@ -174,18 +145,13 @@ void RegisterCache(nb::module_& m) {
                nb::gil_scoped_release nogil;
                s = c->Stats();
              }
-             nb::dict d;
-             d["fetched_files"] = s.fetched_files;
-             d["fetched_bytes"] = s.fetched_bytes;
-             d["hits"] = s.hits;
-             d["misses"] = s.misses;
-             d["evictions"] = s.evictions;
-             d["wait_s"] = s.wait_s;
-             d["shared_fetched_files"] = s.shared_fetched_files;
-             d["shared_fetched_bytes"] = s.shared_fetched_bytes;
-             d["shared_evictions"] = s.shared_evictions;
-             d["used_bytes"] = s.used_bytes;
-             return d;
+             using S = FileCacheStats;
+             return FieldsDict(
+                 s, F("fetched_files", &S::fetched_files), F("fetched_bytes", &S::fetched_bytes),
+                 F("hits", &S::hits), F("misses", &S::misses), F("evictions", &S::evictions),
+                 F("wait_s", &S::wait_s), F("shared_fetched_files", &S::shared_fetched_files),
+                 F("shared_fetched_bytes", &S::shared_fetched_bytes),
+                 F("shared_evictions", &S::shared_evictions), F("used_bytes", &S::used_bytes));
            })
       .def("abandon",
            [](PyFileCache& self) {

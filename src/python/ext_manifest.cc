@@ -9,85 +9,31 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <new>
 #include <string>
+#include <vector>
 
 #include "cairn/manifest.h"
 #include "common.h"
+#include "struct_fields.h"
+#include "without_gil.h"
 
 namespace nb = nanobind;
 
 namespace cairn::python {
 
 void RegisterManifest(nb::module_& m) {
-  using U64s = std::vector<uint64_t>;
-  nb::class_<ManifestFile>(m, "ManifestFile")
-      .def(
-          "__init__",
-          [](ManifestFile* self, std::string key, uint64_t size) {
-            new (self) ManifestFile{std::move(key), size};
-          },
-          nb::arg("key") = "", nb::arg("size") = 0)
-      .def_rw("key", &ManifestFile::key)
-      .def_rw("size", &ManifestFile::size);
-
-  nb::class_<ItemLocation>(m, "ItemLocation")
-      .def(
-          "__init__",
-          [](ItemLocation* self, uint32_t file, uint64_t offset, uint64_t length, U64s checksums) {
-            new (self) ItemLocation{file, offset, length, std::move(checksums)};
-          },
-          nb::arg("file") = 0, nb::arg("offset") = 0, nb::arg("length") = 0,
-          nb::arg("checksums") = U64s{})
-      .def_rw("file", &ItemLocation::file)
-      .def_rw("offset", &ItemLocation::offset)
-      .def_rw("length", &ItemLocation::length)
-      .def_rw("checksums", &ItemLocation::checksums);
-
-  nb::class_<TensorChunk>(m, "TensorChunk")
-      .def(
-          "__init__",
-          [](TensorChunk* self, U64s offsets, U64s sizes, ItemLocation location) {
-            new (self) TensorChunk{std::move(offsets), std::move(sizes), std::move(location)};
-          },
-          nb::arg("offsets") = U64s{}, nb::arg("sizes") = U64s{},
-          nb::arg("location") = ItemLocation{})
-      .def_rw("offsets", &TensorChunk::offsets)
-      .def_rw("sizes", &TensorChunk::sizes)
-      .def_rw("location", &TensorChunk::location);
-
-  nb::class_<ManifestTensor>(m, "ManifestTensor")
-      .def(
-          "__init__",
-          [](ManifestTensor* self, std::string fqn, std::string dtype, U64s shape,
-             bool requires_grad, std::string layout, std::string memory_format, bool pin_memory,
-             std::vector<TensorChunk> chunks) {
-            new (self) ManifestTensor{std::move(fqn), std::move(dtype),  std::move(shape),
-                                      requires_grad,  std::move(layout), std::move(memory_format),
-                                      pin_memory,     std::move(chunks)};
-          },
-          nb::arg("fqn") = "", nb::arg("dtype") = "", nb::arg("shape") = U64s{},
-          nb::arg("requires_grad") = false, nb::arg("layout") = "strided",
-          nb::arg("memory_format") = "contiguous_format", nb::arg("pin_memory") = false,
-          nb::arg("chunks") = std::vector<TensorChunk>{})
-      .def_rw("fqn", &ManifestTensor::fqn)
-      .def_rw("dtype", &ManifestTensor::dtype)
-      .def_rw("shape", &ManifestTensor::shape)
-      .def_rw("requires_grad", &ManifestTensor::requires_grad)
-      .def_rw("layout", &ManifestTensor::layout)
-      .def_rw("memory_format", &ManifestTensor::memory_format)
-      .def_rw("pin_memory", &ManifestTensor::pin_memory)
-      .def_rw("chunks", &ManifestTensor::chunks);
-
-  nb::class_<ManifestBytes>(m, "ManifestBytes")
-      .def(
-          "__init__",
-          [](ManifestBytes* self, std::string fqn, ItemLocation location) {
-            new (self) ManifestBytes{std::move(fqn), std::move(location)};
-          },
-          nb::arg("fqn") = "", nb::arg("location") = ItemLocation{})
-      .def_rw("fqn", &ManifestBytes::fqn)
-      .def_rw("location", &ManifestBytes::location);
+  BindStruct(m, "ManifestFile", F("key", &ManifestFile::key), F("size", &ManifestFile::size));
+  BindStruct(m, "ItemLocation", F("file", &ItemLocation::file), F("offset", &ItemLocation::offset),
+             F("length", &ItemLocation::length), F("checksums", &ItemLocation::checksums));
+  BindStruct(m, "TensorChunk", F("offsets", &TensorChunk::offsets), F("sizes", &TensorChunk::sizes),
+             F("location", &TensorChunk::location));
+  BindStruct(
+      m, "ManifestTensor", F("fqn", &ManifestTensor::fqn), F("dtype", &ManifestTensor::dtype),
+      F("shape", &ManifestTensor::shape), F("requires_grad", &ManifestTensor::requires_grad),
+      F("layout", &ManifestTensor::layout), F("memory_format", &ManifestTensor::memory_format),
+      F("pin_memory", &ManifestTensor::pin_memory), F("chunks", &ManifestTensor::chunks));
+  BindStruct(m, "ManifestBytes", F("fqn", &ManifestBytes::fqn),
+             F("location", &ManifestBytes::location));
 
   nb::class_<Manifest>(m, "Manifest")
       .def(nb::init<>())
@@ -118,12 +64,7 @@ void RegisterManifest(nb::module_& m) {
       "decode_manifest",
       [](nb::bytes data) {
         std::string_view bytes(data.c_str(), data.size());
-        Result<Manifest> r = InternalError("unset");
-        {
-          nb::gil_scoped_release release;
-          r = DecodeManifest(bytes);
-        }
-        return ValueOrThrow(std::move(r));
+        return WithoutGil([&] { return DecodeManifest(bytes); });
       },
       nb::arg("data"),
       "Decodes and validates complete manifest file bytes (no I/O). Raises\n"

@@ -15,6 +15,7 @@
 #include "cairn/fault_injection.h"
 #include "cairn/storage.h"
 #include "common.h"
+#include "without_gil.h"
 
 namespace nb = nanobind;
 
@@ -58,69 +59,41 @@ void RegisterStorage(nb::module_& m) {
           "write_file",
           [](PyStorage& self, const std::string& key, nb::bytes data, bool sync) {
             std::string buf(data.c_str(), data.size());
-            Status s;
-            {
-              nb::gil_scoped_release r;
-              auto write = [&]() -> Status {
-                CAIRN_ASSIGN_OR_RETURN(auto f, self.s->NewWritableFile(key));
-                CAIRN_RETURN_IF_ERROR(f->WriteAt(0, buf.data(), buf.size()));
-                if (sync) CAIRN_RETURN_IF_ERROR(f->Sync());
-                return f->Close();
-              };
-              s = write();
-            }
-            ThrowIfError(s);
+            WithoutGil([&]() -> Status {
+              CAIRN_ASSIGN_OR_RETURN(auto f, self.s->NewWritableFile(key));
+              CAIRN_RETURN_IF_ERROR(f->WriteAt(0, buf.data(), buf.size()));
+              if (sync) CAIRN_RETURN_IF_ERROR(f->Sync());
+              return f->Close();
+            });
           },
           nb::arg("key"), nb::arg("data"), nb::arg("sync") = true,
           "Creates (or replaces) `key` with `data`, fsyncs it unless sync=False.")
       .def(
           "read_file",
           [](PyStorage& self, const std::string& key) {
-            std::string buf;
-            Status s;
-            {
-              nb::gil_scoped_release r;
-              auto read = [&]() -> Status {
-                CAIRN_ASSIGN_OR_RETURN(auto f, self.s->NewReadableFile(key));
-                buf.resize(f->Size());
-                return f->ReadAt(0, buf.data(), buf.size());
-              };
-              s = read();
-            }
-            ThrowIfError(s);
+            std::string buf = WithoutGil([&] { return ReadWholeFile(*self.s, key); });
             return nb::bytes(buf.data(), buf.size());
           },
           nb::arg("key"))
       .def(
           "list",
           [](PyStorage& self, const std::string& dir) {
-            Result<std::vector<DirEntry>> r = [&] {
-              nb::gil_scoped_release g;
-              return self.s->List(dir);
-            }();
+            std::vector<DirEntry> entries = WithoutGil([&] { return self.s->List(dir); });
             std::vector<std::tuple<std::string, bool, uint64_t>> out;
-            for (auto& e : ValueOrThrow(std::move(r))) out.emplace_back(e.name, e.is_dir, e.size);
+            for (auto& e : entries) out.emplace_back(e.name, e.is_dir, e.size);
             return out;
           },
           nb::arg("dir") = "", "Sorted (name, is_dir, size) entries directly inside `dir`.")
       .def(
           "exists",
           [](PyStorage& self, const std::string& key) {
-            Result<bool> r = [&] {
-              nb::gil_scoped_release g;
-              return self.s->Exists(key);
-            }();
-            return ValueOrThrow(std::move(r));
+            return WithoutGil([&] { return self.s->Exists(key); });
           },
           nb::arg("key"))
       .def(
           "file_size",
           [](PyStorage& self, const std::string& key) {
-            Result<uint64_t> r = [&] {
-              nb::gil_scoped_release g;
-              return self.s->FileSize(key);
-            }();
-            return ValueOrThrow(std::move(r));
+            return WithoutGil([&] { return self.s->FileSize(key); });
           },
           nb::arg("key"))
       .def(
@@ -149,12 +122,7 @@ void RegisterStorage(nb::module_& m) {
   m.def(
       "open_storage",
       [](const std::string& uri, bool create) {
-        Result<std::unique_ptr<Storage>> r = [&] {
-          nb::gil_scoped_release g;
-          return OpenStorage(uri, create);
-        }();
-        auto* p = new PyStorage{ValueOrThrow(std::move(r))};
-        return p;
+        return new PyStorage{WithoutGil([&] { return OpenStorage(uri, create); })};
       },
       nb::arg("uri"), nb::arg("create") = true, nb::rv_policy::take_ownership,
       "Opens a path, file://PATH, shm://NAME, mem:// or fault://NAME/SUB.");

@@ -11,6 +11,8 @@
 #include "cairn/memory_tier.h"
 #include "common.h"
 #include "staging/mapped_file.h"
+#include "struct_fields.h"
+#include "without_gil.h"
 
 namespace nb = nanobind;
 
@@ -18,42 +20,28 @@ namespace cairn::python {
 namespace {
 
 nb::dict OwnerDict(const MemoryTierOwner& o) {
-  nb::dict d;
-  d["pid"] = o.pid;
-  d["start_time"] = o.start_time;
-  d["boot_id"] = o.boot_id;
-  d["hostname"] = o.hostname;
-  d["rank"] = o.rank;
-  d["heartbeat"] = o.heartbeat;
-  d["state"] = o.state;
-  return d;
+  using O = MemoryTierOwner;
+  return FieldsDict(o, F("pid", &O::pid), F("start_time", &O::start_time),
+                    F("boot_id", &O::boot_id), F("hostname", &O::hostname), F("rank", &O::rank),
+                    F("heartbeat", &O::heartbeat), F("state", &O::state));
 }
 
 nb::dict TierDict(const MemoryTierInfo& t) {
-  nb::dict d;
-  d["name"] = t.name;
-  d["path"] = t.path;
-  d["kind"] = t.kind;
-  d["bytes"] = t.bytes;
-  nb::list steps;
-  for (int64_t s : t.steps) steps.append(s);
-  d["steps"] = steps;
+  using I = MemoryTierInfo;
+  nb::dict d =
+      FieldsDict(t, F("name", &I::name), F("path", &I::path), F("kind", &I::kind),
+                 F("bytes", &I::bytes), F("steps", &I::steps), F("run_root", &I::run_root),
+                 F("run_id", &I::run_id), F("created", &I::created),
+                 F("last_restored", &I::last_restored), F("last_active", &I::last_active),
+                 F("in_use", &I::in_use), F("orphaned", &I::orphaned), F("reason", &I::reason));
   if (t.steps.empty()) {
     d["step"] = nb::none();
   } else {
     d["step"] = t.steps.front();
   }
-  d["run_root"] = t.run_root;
-  d["run_id"] = t.run_id;
-  d["created"] = t.created;
-  d["last_restored"] = t.last_restored;
-  d["last_active"] = t.last_active;
   nb::list owners;
   for (const auto& o : t.owners) owners.append(OwnerDict(o));
   d["owners"] = owners;
-  d["in_use"] = t.in_use;
-  d["orphaned"] = t.orphaned;
-  d["reason"] = t.reason;
   return d;
 }
 
@@ -80,13 +68,8 @@ void RegisterTier(nb::module_& m) {
   m.def(
       "list_memory_tiers",
       [](const std::string& shm_root, double grace, double now) {
-        std::vector<MemoryTierInfo> tiers;
-        {
-          nb::gil_scoped_release nogil;
-          auto r = ListMemoryTiers(ScanOptions(shm_root, grace, now));
-          if (!r.ok()) RaiseStatus(r.status());
-          tiers = std::move(r).value();
-        }
+        std::vector<MemoryTierInfo> tiers =
+            WithoutGil([&] { return ListMemoryTiers(ScanOptions(shm_root, grace, now)); });
         nb::list out;
         for (const auto& t : tiers) out.append(TierDict(t));
         return out;
@@ -97,12 +80,9 @@ void RegisterTier(nb::module_& m) {
       "reclaim_memory_tiers",
       [](const std::string& shm_root, double grace, bool dry_run) {
         std::vector<MemoryTierInfo> gone;
-        Status s;
-        {
-          nb::gil_scoped_release nogil;
-          s = ReclaimOrphanedMemoryTiers(ScanOptions(shm_root, grace, 0), &gone, dry_run);
-        }
-        ThrowIfError(s);
+        WithoutGil([&] {
+          return ReclaimOrphanedMemoryTiers(ScanOptions(shm_root, grace, 0), &gone, dry_run);
+        });
         nb::list out;
         for (const auto& t : gone) out.append(TierDict(t));
         return out;
@@ -132,12 +112,7 @@ void RegisterTier(nb::module_& m) {
   m.def(
       "check_shared_memory_room",
       [](const std::string& shm_root, uint64_t grow) {
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = CheckSharedMemoryRoom(shm_root, grow);
-        }
-        ThrowIfError(s);
+        WithoutGil([&] { return CheckSharedMemoryRoom(shm_root, grow); });
       },
       nb::arg("shm_root"), nb::arg("grow"),
       "Raises ResourceExhaustedError when `grow` bytes do not fit in the node's shared memory.");
@@ -172,12 +147,7 @@ void RegisterTier(nb::module_& m) {
             o.rank = rank;
             o.kind = kind;
             o.heartbeat_seconds = heartbeat;
-            Result<std::unique_ptr<MemoryTierLease>> r = UnavailableError("not acquired");
-            {
-              nb::gil_scoped_release nogil;
-              r = MemoryTierLease::Acquire(std::move(o));
-            }
-            new (self) PyLease{ValueOrThrow(std::move(r))};
+            new (self) PyLease{WithoutGil([&] { return MemoryTierLease::Acquire(std::move(o)); })};
           },
           nb::arg("dir"), nb::arg("run_root") = "", nb::arg("run_id") = "", nb::arg("rank") = -1,
           nb::arg("kind") = "memory", nb::arg("heartbeat") = 10.0)
@@ -189,13 +159,11 @@ void RegisterTier(nb::module_& m) {
       .def(
           "release",
           [](PyLease& l, bool remove_if_empty) {
-            Status s;
-            {
-              nb::gil_scoped_release nogil;
-              if (l.lease) s = l.lease->Release(remove_if_empty);
+            WithoutGil([&] {
+              Status s = l.lease ? l.lease->Release(remove_if_empty) : Status();
               l.lease.reset();
-            }
-            ThrowIfError(s);
+              return s;
+            });
           },
           nb::arg("remove_if_empty") = false)
       .def_prop_ro("dir", [](const PyLease& l) { return l.lease ? l.lease->dir() : ""; });

@@ -13,6 +13,8 @@
 #include <random>
 #include <sstream>
 
+#include "scratch_dir.h"
+
 namespace cairn {
 namespace {
 
@@ -20,15 +22,7 @@ namespace fs = std::filesystem;
 
 class FileCacheTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/cairn_cache_test_XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
-    src_ = dir_ + "/src";
-    cache_ = dir_ + "/cache";
-    fs::create_directories(src_ + "/sub");
-  }
-  void TearDown() override { fs::remove_all(dir_); }
+  void SetUp() override { fs::create_directories(src_ + "/sub"); }
 
   void MakeFiles(int n, size_t size) {
     std::mt19937 rng(42);
@@ -55,6 +49,14 @@ class FileCacheTest : public ::testing::Test {
     return std::move(*c);
   }
 
+  // Fetches file 0 into a cache that is closed again; returns the cache root
+  // (what a later Open of the same cache_dir finds).
+  std::string CacheFileZeroAndClose() {
+    auto c = Open(1 << 20);
+    EXPECT_TRUE(c->AcquireFile(0).ok());
+    return c->root();
+  }
+
   static std::string Read(const std::string& path) {
     std::ifstream f(path, std::ios::binary);
     std::stringstream ss;
@@ -62,8 +64,9 @@ class FileCacheTest : public ::testing::Test {
     return ss.str();
   }
 
+  test_util::ScratchDir scratch_{"cache_test"};
+  const std::string dir_ = scratch_.path(), src_ = dir_ + "/src", cache_ = dir_ + "/cache";
   ThreadPool pool_{4};
-  std::string dir_, src_, cache_;
 };
 
 TEST_F(FileCacheTest, ListsRecursivelySorted) {
@@ -152,12 +155,7 @@ TEST_F(FileCacheTest, DamagedCachedFileIsFetchedAgain) {
 
 TEST_F(FileCacheTest, ReopenKeepsCompleteFilesAndDropsTempFiles) {
   MakeFiles(2, 1000);
-  std::string root;
-  {
-    auto c = Open(1 << 20);
-    ASSERT_TRUE(c->AcquireFile(0).ok());
-    root = c->root();
-  }
+  const std::string root = CacheFileZeroAndClose();
   std::ofstream(root + "/files/sub/f1.cairn-tmp-1-1") << "partial";
   auto c = Open(1 << 20);
   EXPECT_FALSE(fs::exists(root + "/files/sub/f1.cairn-tmp-1-1"));
@@ -168,12 +166,7 @@ TEST_F(FileCacheTest, ReopenKeepsCompleteFilesAndDropsTempFiles) {
 
 TEST_F(FileCacheTest, DamagedTableIsRepairedAtOpen) {
   MakeFiles(2, 1000);
-  std::string root;
-  {
-    auto c = Open(1 << 20);
-    ASSERT_TRUE(c->AcquireFile(0).ok());
-    root = c->root();
-  }
+  const std::string root = CacheFileZeroAndClose();
   {
     // Scribble over both slots (header is 128 bytes, slots 24).
     std::fstream f(root + "/table", std::ios::in | std::ios::out | std::ios::binary);

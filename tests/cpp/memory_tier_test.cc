@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "scratch_dir.h"
+
 namespace cairn {
 namespace {
 
@@ -27,16 +29,10 @@ double Now() {
 class MemoryTierTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char tmpl[] = "/tmp/cairn_tier_test_XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    base_ = tmpl;
-    shm_ = base_ + "/shm";
     fs::create_directories(shm_);
-    root_ = base_ + "/run";
     fs::create_directories(root_);
     std::ofstream(root_ + "/cairn.run") << "run-1\n";
   }
-  void TearDown() override { fs::remove_all(base_); }
 
   MemoryTierLeaseOptions Opts(const std::string& name = "cairn-00112233aabbccdd") {
     MemoryTierLeaseOptions o;
@@ -60,7 +56,8 @@ class MemoryTierTest : public ::testing::Test {
     return r.ok() ? *r : std::vector<MemoryTierInfo>{};
   }
 
-  std::string base_, shm_, root_;
+  test_util::ScratchDir scratch_{"tier_test"};
+  const std::string base_ = scratch_.path(), shm_ = base_ + "/shm", root_ = base_ + "/run";
 };
 
 TEST_F(MemoryTierTest, LeaseMakesTheTierInUseWithItsOwnerAndRunRoot) {

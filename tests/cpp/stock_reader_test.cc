@@ -58,6 +58,17 @@ struct Entry {
 
 void Put64(std::string* s, uint64_t v) { s->append(reinterpret_cast<const char*>(&v), 8); }
 
+// What a local header and its central-directory header share: method,
+// time and date (0), crc, both sizes (stored), name length.
+void PutEntryFields(std::string* out, const Entry& e, uint32_t crc) {
+  Put16(out, e.method);
+  Put32(out, 0);
+  Put32(out, crc);
+  Put32(out, e.data.size());
+  Put32(out, e.data.size());
+  Put16(out, e.name.size());
+}
+
 // A zip as torch.save writes it: stored entries, data 64-byte aligned, and
 // (zip64) the zip64 end record and locator torch.save always adds.
 std::string Zip(const std::vector<Entry>& entries, bool zip64 = false) {
@@ -74,24 +85,14 @@ std::string Zip(const std::vector<Entry>& entries, bool zip64 = false) {
     Put32(&out, 0x04034b50);
     Put16(&out, 20);
     Put16(&out, 0);
-    Put16(&out, e.method);
-    Put32(&out, 0);
-    Put32(&out, crc);
-    Put32(&out, e.data.size());
-    Put32(&out, e.data.size());
-    Put16(&out, e.name.size());
+    PutEntryFields(&out, e, crc);
     Put16(&out, extra.size());
     out += e.name + extra + e.data;
     Put32(&cd, 0x02014b50);
     Put16(&cd, 20);
     Put16(&cd, 20);
     Put16(&cd, 0);
-    Put16(&cd, e.method);
-    Put32(&cd, 0);
-    Put32(&cd, crc);
-    Put32(&cd, e.data.size());
-    Put32(&cd, e.data.size());
-    Put16(&cd, e.name.size());
+    PutEntryFields(&cd, e, crc);
     Put16(&cd, 0);
     Put16(&cd, 0);
     Put16(&cd, 0);

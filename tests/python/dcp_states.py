@@ -55,23 +55,35 @@ def save_worker(rank: int, world: int, kind: str, path: str) -> None:
     dcp.save(sd, storage_writer=ckpt_backend.writer(kind, path))
 
 
-def load_worker(rank: int, world: int, kind: str, path: str, saved_world: int) -> None:
-    mesh = init_device_mesh("cpu", (world,))
+def _blank(saved_world: int, sharded) -> dict:
+    """A zeroed load target for a checkpoint of `saved_world` ranks; sharded(zeros,
+    load placement) makes each SHARDED entry."""
     sd = {"step": 0, "extra": {"lr": 0.0, "name": "", "ids": []}}
     for r in range(saved_world):
         sd[rank_key(r)] = torch.zeros(3)
     for k, (shape, dtype) in REPLICATED.items():
         sd[k] = torch.zeros(shape, dtype=dtype)
     for k, (shape, dtype, _, load_pl) in SHARDED.items():
-        sd[k] = distribute_tensor(torch.zeros(shape, dtype=dtype), mesh, [load_pl])
-    dcp.load(sd, storage_reader=ckpt_backend.reader(kind, path))
+        sd[k] = sharded(torch.zeros(shape, dtype=dtype), load_pl)
+    return sd
 
+
+def _check_unsharded(sd: dict, saved_world: int) -> None:
+    """Asserts what `sd` read back, but for the SHARDED entries."""
     assert sd["step"] == STEP, sd["step"]
     assert sd["extra"] == EXTRA, sd["extra"]
     for r in range(saved_world):
         torch.testing.assert_close(sd[rank_key(r)], rank_value(r), rtol=0, atol=0)
     for k, (shape, dtype) in REPLICATED.items():
         assert torch.equal(sd[k], expected(k, shape, dtype)), k
+
+
+def load_worker(rank: int, world: int, kind: str, path: str, saved_world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    sd = _blank(saved_world, lambda zeros, pl: distribute_tensor(zeros, mesh, [pl]))
+    dcp.load(sd, storage_reader=ckpt_backend.reader(kind, path))
+
+    _check_unsharded(sd, saved_world)
     for k, (shape, dtype, _, load_pl) in SHARDED.items():
         got = sd[k]
         assert isinstance(got, DTensor) and got.placements == (load_pl,), k
@@ -84,18 +96,8 @@ def load_worker(rank: int, world: int, kind: str, path: str, saved_world: int) -
 def load_full_single_process(kind: str, path: str, saved_world: int) -> None:
     """Loads everything into plain full tensors in this (non-distributed) process."""
     assert not dist.is_initialized()
-    sd = {"step": 0, "extra": {"lr": 0.0, "name": "", "ids": []}}
-    for r in range(saved_world):
-        sd[rank_key(r)] = torch.zeros(3)
-    for k, (shape, dtype) in REPLICATED.items():
-        sd[k] = torch.zeros(shape, dtype=dtype)
-    for k, (shape, dtype, _, _) in SHARDED.items():
-        sd[k] = torch.zeros(shape, dtype=dtype)
+    sd = _blank(saved_world, lambda zeros, _: zeros)
     dcp.load(sd, storage_reader=ckpt_backend.reader(kind, path))
-    assert sd["step"] == STEP and sd["extra"] == EXTRA
-    for r in range(saved_world):
-        assert torch.equal(sd[rank_key(r)], rank_value(r))
-    for k, (shape, dtype) in REPLICATED.items():
-        assert torch.equal(sd[k], expected(k, shape, dtype)), k
+    _check_unsharded(sd, saved_world)
     for k, (shape, dtype, _, _) in SHARDED.items():
         assert torch.equal(sd[k], expected(k, shape, dtype)), k

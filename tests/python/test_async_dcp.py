@@ -18,23 +18,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import cairn
+import toy_training
 from gloo_harness import run_ranks
 from cairn.errors import InvalidArgumentError, PreconditionError, TimeoutError
 
 
 def make_model(seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                                torch.nn.Linear(256, 8))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    return model, opt
+    return toy_training.make_model(seed, sizes=(64, 256, 8))
 
 
 def train_step(model, opt, seed):
-    g = torch.Generator().manual_seed(seed)
-    model(torch.randn(16, 64, generator=g)).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
+    toy_training.train_step(model, opt, seed, batch=16)
 
 
 def clone_tree(x):

@@ -22,24 +22,17 @@ def _env():
     return env
 
 
+def _run_script(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Runs REPO/script with this interpreter and the worktree's package first."""
+    return subprocess.run([sys.executable, str(REPO / script), *args], capture_output=True,
+                          text=True, env=_env(), timeout=timeout)
+
+
 def test_checkpoint_benchmark_runs_and_writes_json(tmp_path):
     out = tmp_path / "checkpoint.json"
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "checkpoint.py"),
-            "--size-gb", "0.02",
-            "--reps", "1",
-            "--dir", str(tmp_path),
-            "--json", str(out),
-            "--no-drop-caches",
-            "--allow-tmpfs",
-        ],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=300,
-    )
+    r = _run_script("bench/checkpoint.py", "--size-gb", "0.02", "--reps", "1",
+                    "--dir", str(tmp_path), "--json", str(out), "--no-drop-caches",
+                    "--allow-tmpfs")
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(out.read_text())
     assert result["meta"]["state_tensors"] >= 198
@@ -95,23 +88,14 @@ def test_cairn_bench_prints_floors_figures_and_ratios(tmp_path):
 
 
 def test_demo_runs(tmp_path):
-    r = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "reshard_demo.py"), "--root", str(tmp_path / "d")],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=300,
-    )
+    r = _run_script("examples/reshard_demo.py", "--root", str(tmp_path / "d"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "bit-identical" in r.stdout and "demo OK" in r.stdout
 
 
 def test_resume_demo_is_bit_exact(tmp_path):
-    r = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "resume_demo.py"), "--steps", "20",
-         "--ckpt-every", "5", "--crash-at-step", "12", "--workdir", str(tmp_path / "w")],
-        capture_output=True, text=True, timeout=600,
-    )
+    r = _run_script("examples/resume_demo.py", "--steps", "20", "--ckpt-every", "5",
+                    "--crash-at-step", "12", "--workdir", str(tmp_path / "w"), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "bitwise equal to the uninterrupted run: True" in r.stdout
     assert "same sample sequence as the uninterrupted run: True" in r.stdout
@@ -120,22 +104,9 @@ def test_resume_demo_is_bit_exact(tmp_path):
 
 def test_s3_benchmark_runs_and_writes_json(tmp_path):
     out = tmp_path / "s3.json"
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "s3.py"),
-            "--size-gb", "0.01",
-            "--reps", "1",
-            "--staged-mb", "4",
-            "--throttle-mbps", "50",
-            "--dir", str(tmp_path),
-            "--json", str(out),
-        ],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=600,
-    )
+    r = _run_script("bench/s3.py", "--size-gb", "0.01", "--reps", "1", "--staged-mb", "4",
+                    "--throttle-mbps", "50", "--dir", str(tmp_path), "--json", str(out),
+                    timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(out.read_text())
     assert set(result["peers"]) == {"boto3 (floor)", "cairn", "dcp+fsspec", "s3torchconnector"}

@@ -20,6 +20,7 @@ from torch.optim import lr_scheduler
 import cairn
 from cairn.errors import PreconditionError
 from gloo_harness import run_ranks
+from hostile import Hostile
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -120,23 +121,13 @@ def test_optimizer_param_groups_scheduler_state_and_plain_values_round_trip(tmp_
     assert target["plain"] == plain
 
 
-class _Hostile:
-    """Unpickling this runs a command."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_bytesio_carrying_a_hostile_attribute_is_refused_without_running(tmp_path):
     # A BytesIO's pickled state includes its __dict__: the allowlist for BytesIO
     # must not let what rides along in it through.
     marker = tmp_path / "pwned"
     path = str(tmp_path / "ckpt")
     buf = io.BytesIO(b"fine")
-    buf.payload = _Hostile(marker)
+    buf.payload = Hostile(marker)
     dcp.save({"blob": buf}, storage_writer=cairn.Writer(path))
     with pytest.raises(cairn.CorruptionError, match="'blob'.*allow_pickle"):
         _load({"blob": io.BytesIO()}, path)

@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import cairn
+from hostile import Hostile
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -219,22 +220,12 @@ def test_copy_checkpoint_refuses_a_corrupt_source(ckpt, tmp_path):
     assert not (tmp_path / "copy2" / "cairn.manifest").exists()
 
 
-class _Hostile:
-    """Unpickling this runs a command: what an attacker would hide in a value."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_hostile_non_tensor_value_is_refused_without_running(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     marker = tmp_path / "pwned"
     path = str(tmp_path / "ckpt")
-    dcp.save({"w": torch.ones(3), "evil": _Hostile(marker)}, storage_writer=cairn.Writer(path))
+    dcp.save({"w": torch.ones(3), "evil": Hostile(marker)}, storage_writer=cairn.Writer(path))
     assert not marker.exists()
     target = {"w": torch.zeros(3), "evil": None}
     with pytest.raises(BaseException) as info:

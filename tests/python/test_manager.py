@@ -14,30 +14,13 @@ import torch.distributed as dist
 import cairn
 from cairn import _ext
 from gloo_harness import run_ranks
-
-
-def make_state(rank, seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    return model, opt, {"train": cairn.TrainState(model, opt), "rng": cairn.RNGState()}
-
-
-def train_step(model, opt, seed):
-    g = torch.Generator().manual_seed(seed)
-    model(torch.randn(8, 32, generator=g)).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+from toy_training import flat, make_state, train_step
 
 
 # ---- async save captures the values at save() time ---------------------------------
 
 def _async_capture(rank, world, root):
-    model, opt, state = make_state(rank)
+    model, opt, state = make_state()
     train_step(model, opt, 1)
     mgr = cairn.CheckpointManager(root, keep=2)
     mgr.save(1, state)
@@ -49,7 +32,7 @@ def _async_capture(rank, world, root):
     train_step(model, opt, 2)
     mgr.wait()
     mgr.close()
-    model2, opt2, state2 = make_state(rank, seed=99)
+    model2, opt2, state2 = make_state(seed=99)
     mgr2 = cairn.CheckpointManager(root, memory=False)
     step = mgr2.restore(state2)
     mgr2.close()
@@ -64,7 +47,7 @@ def test_async_save_holds_values_at_save_time(tmp_path):
 # ---- the memory tier survives a crash of the training processes --------------------
 
 def _crash_after_staging(rank, world, root):
-    model, opt, state = make_state(rank)
+    model, opt, state = make_state()
     train_step(model, opt, 1)
     mgr = cairn.CheckpointManager(root, keep=2, durable_every=1000)  # memory tier only
     mgr.save(1, state)
@@ -75,7 +58,7 @@ def _crash_after_staging(rank, world, root):
 
 
 def _restore_after_crash(rank, world, root):
-    model, opt, state = make_state(rank, seed=5)
+    model, opt, state = make_state(seed=5)
     mgr = cairn.CheckpointManager(root, keep=2)
     step = mgr.restore(state)
     tier = mgr.restored[1] if step is not None else None
@@ -99,7 +82,7 @@ def test_crash_after_staging_restores_from_memory_tier(tmp_path):
 
 def _enospc(rank, world, base, fail_op):
     inj = _ext.FaultInjector(f"mgr{rank}", base)
-    model, opt, state = make_state(rank)
+    model, opt, state = make_state()
     mgr = cairn.CheckpointManager(inj.uri, memory=False, keep=3)
     train_step(model, opt, 1)
     mgr.save(1, state)
@@ -140,7 +123,7 @@ def test_storage_fault_surfaces_at_next_wait_and_training_goes_on(tmp_path, fail
 # ---- corruption of the newest checkpoint falls back to the previous one --------------
 
 def _save_steps(rank, world, root, steps):
-    model, opt, state = make_state(rank)
+    model, opt, state = make_state()
     mgr = cairn.CheckpointManager(root, keep=5)
     for s in steps:
         train_step(model, opt, s)
@@ -151,7 +134,7 @@ def _save_steps(rank, world, root, steps):
 
 
 def _restore_one(rank, world, root, memory):
-    model, opt, state = make_state(rank, seed=7)
+    model, opt, state = make_state(seed=7)
     mgr = cairn.CheckpointManager(root, memory=memory)
     step = mgr.restore(state)
     mgr.close()
@@ -184,7 +167,7 @@ def test_missing_data_file_of_newest_falls_back(tmp_path):
 # ---- retention -----------------------------------------------------------------------
 
 def _retention(rank, world, root):
-    model, opt, state = make_state(rank)
+    model, opt, state = make_state()
     mgr = cairn.CheckpointManager(root, keep=2)
     for s in range(1, 6):
         train_step(model, opt, s)
@@ -230,14 +213,14 @@ def test_bad_arguments_raise_value_error(tmp_path):
 
 
 def test_restore_with_nothing_returns_none(tmp_path):
-    model, opt, state = make_state(0)
+    model, opt, state = make_state()
     with cairn.CheckpointManager(str(tmp_path)) as mgr:
         assert mgr.restore(state) is None
 
 
 def test_memory_tier_of_another_run_is_ignored(tmp_path):
     root = str(tmp_path / "run")
-    model, opt, state = make_state(0)
+    model, opt, state = make_state()
     mgr = cairn.CheckpointManager(root, durable_every=100)
     mgr.save(7, state)
     mgr.wait()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 import ckpt_backend
 import dcp_states
 from gloo_harness import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from reshard_demo import shard_linears  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -60,17 +65,13 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def _fsdp_model(world):
-    from torch.distributed.fsdp import fully_shard
-
+    """A small MLP sharded as examples/reshard_demo.py shards its own."""
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(7, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)
     )
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_linears(model, mesh)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     return model, opt
 

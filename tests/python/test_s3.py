@@ -25,20 +25,11 @@ import dcp_states
 from gloo_harness import run_ranks
 from s3_fault_proxy import FaultProxy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "s3"))
-from moto_server import MotoServer  # noqa: E402
-
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = os.environ.get("CAIRN_CLI", str(ROOT / "build" / "cairn"))
 PART = 5 << 20  # S3's minimum part size: small states still go multipart
-
-
-@pytest.fixture(scope="module")
-def moto():
-    with MotoServer(auth=True) as srv:
-        yield srv
 
 
 @pytest.fixture

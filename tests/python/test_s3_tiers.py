@@ -5,8 +5,6 @@ DataLoader workers."""
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,17 +13,9 @@ import cairn
 import cairn.data as cd
 from cairn import _ext
 from gloo_harness import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "s3"))
-from moto_server import MotoServer  # noqa: E402
+from toy_training import flat, make_state, train_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-@pytest.fixture(scope="module")
-def moto():
-    with MotoServer(auth=True) as srv:
-        yield srv
 
 
 @pytest.fixture
@@ -36,24 +26,6 @@ def s3(moto, monkeypatch):
 
 
 # ---- the manager -------------------------------------------------------------------
-
-
-def make_state(seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    return model, opt, {"train": cairn.TrainState(model, opt), "rng": cairn.RNGState()}
-
-
-def train_step(model, opt, seed):
-    g = torch.Generator().manual_seed(seed)
-    model(torch.randn(8, 32, generator=g)).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
 def _save_steps(rank, world, env, root, local, steps, expected_dir):

@@ -9,56 +9,39 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <iterator>
 #include <thread>
 #include <unordered_map>
 
 #include "cairn/fault_injection.h"
+#include "storage/uri.h"
 
 namespace cairn {
+namespace {
+
+// FaultOp's names, in enum order: what FaultOpName returns and ParseFaultOp
+// accepts.
+constexpr std::string_view kFaultOpNames[] = {
+    "create",  "open",      "write",  "allocate",  "sync", "close",  "read",    "rename",
+    "syncdir", "createdir", "delete", "deletedir", "list", "exists", "filesize"};
+static_assert(std::size(kFaultOpNames) == kNumFaultOps, "one name per FaultOp");
+
+}  // namespace
+
 std::string_view FaultOpName(FaultOp op) {
-  switch (op) {
-    case FaultOp::kCreate:
-      return "create";
-    case FaultOp::kOpen:
-      return "open";
-    case FaultOp::kWrite:
-      return "write";
-    case FaultOp::kAllocate:
-      return "allocate";
-    case FaultOp::kSync:
-      return "sync";
-    case FaultOp::kClose:
-      return "close";
-    case FaultOp::kRead:
-      return "read";
-    case FaultOp::kRename:
-      return "rename";
-    case FaultOp::kSyncDir:
-      return "syncdir";
-    case FaultOp::kCreateDir:
-      return "createdir";
-    case FaultOp::kDelete:
-      return "delete";
-    case FaultOp::kDeleteDir:
-      return "deletedir";
-    case FaultOp::kList:
-      return "list";
-    case FaultOp::kExists:
-      return "exists";
-    case FaultOp::kFileSize:
-      return "filesize";
-  }
-  return "unknown";
+  const auto i = static_cast<size_t>(op);
+  return i < std::size(kFaultOpNames) ? kFaultOpNames[i] : "unknown";
 }
 
 Result<FaultOp> ParseFaultOp(std::string_view name) {
+  std::string expected;
   for (int i = 0; i < kNumFaultOps; ++i) {
-    if (FaultOpName(static_cast<FaultOp>(i)) == name) return static_cast<FaultOp>(i);
+    if (kFaultOpNames[i] == name) return static_cast<FaultOp>(i);
+    if (i > 0) expected += i + 1 < kNumFaultOps ? ", " : " or ";
+    expected += kFaultOpNames[i];
   }
-  return InvalidArgumentError("unknown storage operation '" + std::string(name) +
-                              "' (expected create, open, write, allocate, sync, close, read, "
-                              "rename, syncdir, createdir, delete, deletedir, list, exists or "
-                              "filesize)");
+  return InvalidArgumentError("unknown storage operation '" + std::string(name) + "' (expected " +
+                              expected + ")");
 }
 
 // ---- FaultInjector -----------------------------------------------------------
@@ -245,28 +228,49 @@ FaultInjectionStorage::FaultInjectionStorage(Storage* base, std::shared_ptr<Faul
       base_(base),
       injector_(injector ? std::move(injector) : std::make_shared<FaultInjector>()) {}
 
-// Key validation comes first, as in every backend, so an invalid key is
-// rejected the same way with or without the wrapper.
+namespace {
+
+// Every storage call goes through here: the key is validated first, as in
+// every backend, so an invalid key is rejected the same way with or without
+// the wrapper (allow_root: the call takes a directory, and "" is the root);
+// then the rules for `op` may fail the call before the base sees it;
+// otherwise forward() makes it on the base.
+template <typename Forward>
+auto Gate(FaultInjector& injector, FaultOp op, std::string_view key, bool allow_root,
+          Forward forward) -> decltype(forward()) {
+  CAIRN_RETURN_IF_ERROR(ValidateKey(key, allow_root));
+  auto d = injector.OnCall(op, key);
+  if (!d.status.ok()) return d.status;
+  return forward();
+}
+
+// Opening a file: open() opens it on the base, and the file is wrapped so
+// that its own calls meet the rules too.
+template <typename FaultFile, typename Open>
+auto OpenFaultFile(const std::shared_ptr<FaultInjector>& injector, FaultOp op, std::string_view key,
+                   Open open) -> decltype(open()) {
+  return Gate(*injector, op, key, false, [&]() -> decltype(open()) {
+    CAIRN_ASSIGN_OR_RETURN(auto f, open());
+    return std::unique_ptr<typename decltype(f)::element_type>(
+        new FaultFile(std::move(f), std::string(key), injector));
+  });
+}
+
+}  // namespace
+
 Result<std::unique_ptr<WritableFile>> FaultInjectionStorage::NewWritableFile(
     std::string_view key, const WriteOptions& opts) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
-  auto d = injector_->OnCall(FaultOp::kCreate, key);
-  if (!d.status.ok()) return d.status;
-  CAIRN_ASSIGN_OR_RETURN(auto f, base_->NewWritableFile(key, opts));
-  return std::unique_ptr<WritableFile>(
-      new FaultWritableFile(std::move(f), std::string(key), injector_));
+  return OpenFaultFile<FaultWritableFile>(injector_, FaultOp::kCreate, key,
+                                          [&] { return base_->NewWritableFile(key, opts); });
 }
 
 Result<std::unique_ptr<ReadableFile>> FaultInjectionStorage::NewReadableFile(
     std::string_view key, const ReadOptions& opts) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
-  auto d = injector_->OnCall(FaultOp::kOpen, key);
-  if (!d.status.ok()) return d.status;
-  CAIRN_ASSIGN_OR_RETURN(auto f, base_->NewReadableFile(key, opts));
-  return std::unique_ptr<ReadableFile>(
-      new FaultReadableFile(std::move(f), std::string(key), injector_));
+  return OpenFaultFile<FaultReadableFile>(injector_, FaultOp::kOpen, key,
+                                          [&] { return base_->NewReadableFile(key, opts); });
 }
 
+// A rename matches rules on either key.
 Status FaultInjectionStorage::Rename(std::string_view from, std::string_view to) {
   CAIRN_RETURN_IF_ERROR(ValidateKey(from));
   CAIRN_RETURN_IF_ERROR(ValidateKey(to));
@@ -275,48 +279,31 @@ Status FaultInjectionStorage::Rename(std::string_view from, std::string_view to)
 }
 
 Status FaultInjectionStorage::SyncDir(std::string_view dir) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
-  auto d = injector_->OnCall(FaultOp::kSyncDir, dir);
-  return d.status.ok() ? base_->SyncDir(dir) : d.status;
+  return Gate(*injector_, FaultOp::kSyncDir, dir, true, [&] { return base_->SyncDir(dir); });
 }
 
 Status FaultInjectionStorage::CreateDir(std::string_view dir) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
-  auto d = injector_->OnCall(FaultOp::kCreateDir, dir);
-  return d.status.ok() ? base_->CreateDir(dir) : d.status;
+  return Gate(*injector_, FaultOp::kCreateDir, dir, true, [&] { return base_->CreateDir(dir); });
 }
 
 Status FaultInjectionStorage::DeleteFile(std::string_view key) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
-  auto d = injector_->OnCall(FaultOp::kDelete, key);
-  return d.status.ok() ? base_->DeleteFile(key) : d.status;
+  return Gate(*injector_, FaultOp::kDelete, key, false, [&] { return base_->DeleteFile(key); });
 }
 
 Status FaultInjectionStorage::DeleteDir(std::string_view dir) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
-  auto d = injector_->OnCall(FaultOp::kDeleteDir, dir);
-  return d.status.ok() ? base_->DeleteDir(dir) : d.status;
+  return Gate(*injector_, FaultOp::kDeleteDir, dir, true, [&] { return base_->DeleteDir(dir); });
 }
 
 Result<std::vector<DirEntry>> FaultInjectionStorage::List(std::string_view dir) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
-  auto d = injector_->OnCall(FaultOp::kList, dir);
-  if (!d.status.ok()) return d.status;
-  return base_->List(dir);
+  return Gate(*injector_, FaultOp::kList, dir, true, [&] { return base_->List(dir); });
 }
 
 Result<bool> FaultInjectionStorage::Exists(std::string_view key) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(key, true));
-  auto d = injector_->OnCall(FaultOp::kExists, key);
-  if (!d.status.ok()) return d.status;
-  return base_->Exists(key);
+  return Gate(*injector_, FaultOp::kExists, key, true, [&] { return base_->Exists(key); });
 }
 
 Result<uint64_t> FaultInjectionStorage::FileSize(std::string_view key) {
-  CAIRN_RETURN_IF_ERROR(ValidateKey(key));
-  auto d = injector_->OnCall(FaultOp::kFileSize, key);
-  if (!d.status.ok()) return d.status;
-  return base_->FileSize(key);
+  return Gate(*injector_, FaultOp::kFileSize, key, false, [&] { return base_->FileSize(key); });
 }
 
 // ---- registry ----------------------------------------------------------------
@@ -366,16 +353,9 @@ bool UnregisterFaultInjector(const std::string& name, const FaultInjector* only_
 }
 
 Result<std::unique_ptr<Storage>> OpenFaultStorage(std::string_view uri, bool create) {
-  constexpr std::string_view kScheme = "fault://";
-  if (uri.substr(0, kScheme.size()) != kScheme) {
-    return InvalidArgumentError("not a fault:// URI: " + std::string(uri));
-  }
-  std::string_view rest = uri.substr(kScheme.size());
-  size_t slash = rest.find('/');
-  std::string name(rest.substr(0, slash));
-  std::string_view sub =
-      slash == std::string_view::npos ? std::string_view() : rest.substr(slash + 1);
-  while (!sub.empty() && sub.back() == '/') sub.remove_suffix(1);
+  CAIRN_ASSIGN_OR_RETURN(internal::UriParts parts, internal::SplitUri(uri, "fault://"));
+  const std::string name(parts.authority);
+  const std::string_view sub = parts.path;
   if (!sub.empty()) CAIRN_RETURN_IF_ERROR(ValidateKey(sub).WithContext(std::string(uri)));
   RegistryEntry entry;
   {
