@@ -53,7 +53,6 @@ bench/results/s3.json).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import importlib.util
 import io
 import json

@@ -20,7 +20,6 @@ import textwrap
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 import cairn
 from cairn import _ext
