@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 import cairn
 from gloo_harness import run_ranks
-from test_s3 import moto, s3  # noqa: F401 - fixtures: a moto server, a bucket prefix
+from test_s3 import s3  # noqa: F401 - fixture: a bucket prefix on the moto server of conftest.py
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
