@@ -14,6 +14,7 @@
 
 #include "cairn/checkpoint.h"
 #include "common.h"
+#include "without_gil.h"
 
 namespace nb = nanobind;
 
@@ -140,33 +141,6 @@ void RegisterCheckpoint(nb::module_& m) {
       "Returns (file_size, [(offset, length, [block checksums])...]).");
 
   m.def(
-      "copy_file",
-      [](const std::string& src_uri, const std::string& src_key, const std::string& dst_uri,
-         const std::string& dst_key, ThreadPool& pool, bool direct_io, bool sync) {
-        Result<uint64_t> r = InternalError("unset");
-        {
-          nb::gil_scoped_release release;
-          auto src = OpenStorage(src_uri, /*create=*/false);
-          auto dst = OpenStorage(dst_uri, /*create=*/true);
-          if (!src.ok()) {
-            r = src.status();
-          } else if (!dst.ok()) {
-            r = dst.status();
-          } else {
-            CopyFileOptions opts;
-            opts.direct_io = direct_io;
-            opts.sync = sync;
-            r = CopyFile(src->get(), src_key, dst->get(), dst_key, &pool, opts);
-          }
-        }
-        return ValueOrThrow(std::move(r));
-      },
-      nb::arg("src_uri"), nb::arg("src_key"), nb::arg("dst_uri"), nb::arg("dst_key"),
-      nb::arg("pool"), nb::arg("direct_io") = false, nb::arg("sync") = true,
-      "Copies file `src_key` of the storage at `src_uri` to `dst_key` at `dst_uri` in\n"
-      "parallel ranges (synced unless sync=False). Returns the bytes copied.");
-
-  m.def(
       "write_data_file_staged",
       [](const std::string& stage_uri, const std::string& target_uri, const std::string& key,
          const std::vector<std::pair<uintptr_t, uint64_t>>& buffers, ThreadPool& pool,
@@ -177,28 +151,19 @@ void RegisterCheckpoint(nb::module_& m) {
           refs.push_back({reinterpret_cast<const void*>(addr), size});
         }
         DataFileOptions opts = MakeDataFileOptions(false, false, block_size);
-        Result<DataFileResult> r = InternalError("unset");
-        {
-          nb::gil_scoped_release release;
-          auto stage = OpenStorage(stage_uri, /*create=*/true);
-          auto target = OpenStorage(target_uri, /*create=*/true);
-          if (!stage.ok()) {
-            r = stage.status();
-          } else if (!target.ok()) {
-            r = target.status();
-          } else {
-            CopyFileOptions copy;
-            copy.direct_io = direct_io;
-            copy.sync = sync;
-            // Small ranges: the upload starts once the first 4 MiB are staged
-            // (16 MiB made the staged save 0.25 s slower than its bandwidth
-            // bound at 50 MB/s; an S3 target still sends whole parts).
-            copy.chunk_bytes = uint64_t{4} << 20;
-            r = WriteDataFileStaged(stage->get(), target->get(), key, refs, &pool, &copy_pool, opts,
-                                    copy);
-          }
-        }
-        DataFileResult res = ValueOrThrow(std::move(r));
+        DataFileResult res = WithoutGil([&]() -> Result<DataFileResult> {
+          CAIRN_ASSIGN_OR_RETURN(auto stage, OpenStorage(stage_uri, /*create=*/true));
+          CAIRN_ASSIGN_OR_RETURN(auto target, OpenStorage(target_uri, /*create=*/true));
+          CopyFileOptions copy;
+          copy.direct_io = direct_io;
+          copy.sync = sync;
+          // Small ranges: the upload starts once the first 4 MiB are staged
+          // (16 MiB made the staged save 0.25 s slower than its bandwidth
+          // bound at 50 MB/s; an S3 target still sends whole parts).
+          copy.chunk_bytes = uint64_t{4} << 20;
+          return WriteDataFileStaged(stage.get(), target.get(), key, refs, &pool, &copy_pool, opts,
+                                     copy);
+        });
         nb::list items;
         for (const auto& loc : res.items) {
           nb::list sums;
