@@ -31,6 +31,7 @@
 #include "cairn/storage.h"
 #include "cairn/thread_pool.h"
 #include "common.h"
+#include "without_gil.h"
 
 namespace nb = nanobind;
 
@@ -131,12 +132,10 @@ void RegisterStaging(nb::module_& m) {
   m.def(
       "block_checksums_address",
       [](uintptr_t address, uint64_t nbytes, uint64_t block_size) {
-        Result<std::vector<uint64_t>> r = [&] {
-          nb::gil_scoped_release g;
+        return WithoutGil([&] {
           return BlockChecksums(reinterpret_cast<const void*>(address), nbytes, block_size,
                                 nullptr);
-        }();
-        return ValueOrThrow(std::move(r));
+        });
       },
       nb::arg("address"), nb::arg("nbytes"), nb::arg("block_size") = kChecksumBlockSize,
       "XXH3-64 of each `block_size` block of `nbytes` at a raw address.");
@@ -174,11 +173,7 @@ void RegisterStaging(nb::module_& m) {
             o.populate = populate;
             o.remove_on_close = remove_on_close;
             o.file_key = file_key;
-            Result<std::unique_ptr<StagingPool>> r = [&] {
-              nb::gil_scoped_release g;
-              return StagingPool::Open(o);
-            }();
-            auto pool = ValueOrThrow(std::move(r));
+            auto pool = WithoutGil([&] { return StagingPool::Open(o); });
             new (self) PyStagingPool();
             self->pool = std::move(pool);
             if (threads > 1) self->threads = std::make_unique<ThreadPool>(threads - 1);
@@ -194,11 +189,7 @@ void RegisterStaging(nb::module_& m) {
             for (size_t i = 0; i < self.live_views.size(); ++i) {
               if (!p.in_use(i)) CheckNoGrowthUnderViews(self, i, nbytes);
             }
-            Result<StagingSlot> r = [&] {
-              nb::gil_scoped_release g;
-              return p.Acquire(nbytes, self.helpers());
-            }();
-            StagingSlot s = ValueOrThrow(std::move(r));
+            StagingSlot s = WithoutGil([&] { return p.Acquire(nbytes, self.helpers()); });
             return SlotDict(s);
           },
           nb::arg("nbytes"),
@@ -209,11 +200,8 @@ void RegisterStaging(nb::module_& m) {
           [](PyStagingPool& self, size_t index, uint64_t nbytes) {
             StagingPool& p = self.Checked();
             CheckNoGrowthUnderViews(self, index, nbytes);
-            Result<StagingSlot> r = [&] {
-              nb::gil_scoped_release g;
-              return p.AcquireSlot(index, nbytes, self.helpers());
-            }();
-            return SlotDict(ValueOrThrow(std::move(r)));
+            return SlotDict(
+                WithoutGil([&] { return p.AcquireSlot(index, nbytes, self.helpers()); }));
           },
           nb::arg("index"), nb::arg("nbytes") = 0,
           "Acquires slot `index` (nbytes=0 maps what its file already holds).")
@@ -222,11 +210,7 @@ void RegisterStaging(nb::module_& m) {
           [](PyStagingPool& self, size_t index, const std::vector<uint64_t>& lengths) {
             StagingPool& p = self.Checked();
             CheckNoGrowthUnderViews(self, index, StagedBytes(lengths));
-            Result<StagedSave> r = [&] {
-              nb::gil_scoped_release g;
-              return p.BeginSave(index, lengths, self.helpers());
-            }();
-            return ValueOrThrow(std::move(r));
+            return WithoutGil([&] { return p.BeginSave(index, lengths, self.helpers()); });
           },
           nb::arg("index"), nb::arg("lengths"),
           "Lays out items of `lengths` bytes as a data file lays them out and acquires slot "
@@ -241,12 +225,7 @@ void RegisterStaging(nb::module_& m) {
             for (auto& [item, src] : sources) {
               v.push_back(StageSource{item, reinterpret_cast<const void*>(src)});
             }
-            Status s;
-            {
-              nb::gil_scoped_release g;
-              s = p.CopyItems(save, v, self.helpers());
-            }
-            ThrowIfError(s);
+            WithoutGil([&] { return p.CopyItems(save, v, self.helpers()); });
           },
           nb::arg("save"), nb::arg("sources"),
           "Copies each (item, src_address) into the slot at the item's offset, in parallel.")
@@ -254,23 +233,15 @@ void RegisterStaging(nb::module_& m) {
           "zero_padding",
           [](PyStagingPool& self, const StagedSave& save) {
             StagingPool& p = self.Checked();
-            Status s;
-            {
-              nb::gil_scoped_release g;
-              s = p.ZeroPadding(save, self.helpers());
-            }
-            ThrowIfError(s);
+            WithoutGil([&] { return p.ZeroPadding(save, self.helpers()); });
           },
           nb::arg("save"), "Zeroes every byte of the slot that belongs to no item.")
       .def(
           "item_checksums",
           [](PyStagingPool& self, const StagedSave& save, uint64_t block_size) {
             StagingPool& p = self.Checked();
-            Result<std::vector<ItemLocation>> r = [&] {
-              nb::gil_scoped_release g;
-              return p.ItemChecksums(save, block_size, self.helpers());
-            }();
-            std::vector<ItemLocation> locs = ValueOrThrow(std::move(r));
+            std::vector<ItemLocation> locs =
+                WithoutGil([&] { return p.ItemChecksums(save, block_size, self.helpers()); });
             nb::list out;
             for (const ItemLocation& l : locs) out.append(ItemList(l.checksums));
             return out;
@@ -329,12 +300,7 @@ void RegisterStaging(nb::module_& m) {
             for (auto& [src, off, n] : spans) {
               v.push_back(CopySpan{reinterpret_cast<const void*>(src), off, n});
             }
-            Status s;
-            {
-              nb::gil_scoped_release g;
-              s = p.CopyIn(index, v, self.helpers());
-            }
-            ThrowIfError(s);
+            WithoutGil([&] { return p.CopyIn(index, v, self.helpers()); });
           },
           nb::arg("index"), nb::arg("spans"),
           "Copies each (src_address, dst_offset, nbytes) into slot `index` in parallel.")
@@ -347,12 +313,7 @@ void RegisterStaging(nb::module_& m) {
             for (auto& [dst, off, n] : spans) {
               v.push_back(CopyOutSpan{reinterpret_cast<void*>(dst), off, n});
             }
-            Status s;
-            {
-              nb::gil_scoped_release g;
-              s = p.CopyOut(index, v, self.helpers());
-            }
-            ThrowIfError(s);
+            WithoutGil([&] { return p.CopyOut(index, v, self.helpers()); });
           },
           nb::arg("index"), nb::arg("spans"),
           "Copies each (dst_address, src_offset, nbytes) out of slot `index` in parallel.")
@@ -367,11 +328,9 @@ void RegisterStaging(nb::module_& m) {
                                           std::to_string(index) + " of " +
                                           std::to_string(s.capacity) + " bytes"));
             }
-            Result<std::vector<uint64_t>> r = [&] {
-              nb::gil_scoped_release g;
+            return WithoutGil([&] {
               return BlockChecksums(s.data + offset, nbytes, block_size, self.helpers());
-            }();
-            return ValueOrThrow(std::move(r));
+            });
           },
           nb::arg("index"), nb::arg("offset"), nb::arg("nbytes"),
           nb::arg("block_size") = kChecksumBlockSize,
