@@ -66,12 +66,7 @@ class PyCheckpointReader {
       r.offset = offset;
       reqs.push_back(r);
     }
-    Status s;
-    {
-      nb::gil_scoped_release release;
-      s = reader_->Read(reqs, &pool);
-    }
-    ThrowIfError(s);
+    WithoutGil([&] { return reader_->Read(reqs, &pool); });
   }
 
  private:
@@ -252,12 +247,7 @@ void RegisterCheckpoint(nb::module_& m) {
             ThrowIfError(DataLossError("tensor '" + fqn + "': shape overflows"));
           }
         }
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = ValidateChunkCoverage(t);
-        }
-        ThrowIfError(s);
+        WithoutGil([&] { return ValidateChunkCoverage(t); });
       },
       nb::arg("fqn"), nb::arg("shape"), nb::arg("chunks"),
       "Raises CorruptionError unless the (offsets, sizes) chunks tile `shape` exactly once.");

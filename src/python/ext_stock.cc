@@ -9,6 +9,7 @@
 
 #include "cairn/stock.h"
 #include "common.h"
+#include "without_gil.h"
 
 namespace nb = nanobind;
 
@@ -59,12 +60,9 @@ void RegisterStock(nb::module_& m) {
           reqs.push_back(std::move(r));
         }
         std::vector<bool> fallback;
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = stock::ReadTensors(storage.s.get(), reqs, &pool, verify_crc, &fallback);
-        }
-        ThrowIfError(s);
+        WithoutGil([&] {
+          return stock::ReadTensors(storage.s.get(), reqs, &pool, verify_crc, &fallback);
+        });
         return fallback;
       },
       nb::arg("storage"), nb::arg("requests"), nb::arg("pool"), nb::arg("verify_crc"),
@@ -81,12 +79,9 @@ void RegisterStock(nb::module_& m) {
           throw nb::python_error();
         }
         void* dest = PyByteArray_AsString(out.ptr());
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          s = stock::ReadItem(storage.s.get(), file, offset, length, where, fqn, dest);
-        }
-        ThrowIfError(s);
+        WithoutGil([&] {
+          return stock::ReadItem(storage.s.get(), file, offset, length, where, fqn, dest);
+        });
         return out;
       },
       nb::arg("storage"), nb::arg("file"), nb::arg("offset"), nb::arg("length"), nb::arg("where"),
