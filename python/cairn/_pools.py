@@ -37,45 +37,39 @@ def thread_count(kind: str = "io") -> int:
 
 
 _lock = threading.Lock()
-_io_pool: _ext.ThreadPool | None = None
-_upload_pool: _ext.ThreadPool | None = None
-_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_shared: dict[str, object] = {}  # name -> the process-wide pool of that name
+
+
+def _get(name: str, make):
+    with _lock:
+        pool = _shared.get(name)
+        if pool is None:
+            pool = _shared[name] = make()
+        return pool
 
 
 def io_pool() -> _ext.ThreadPool:
     """The process-wide I/O pool (``thread_count("io")`` threads)."""
-    global _io_pool
-    with _lock:
-        if _io_pool is None:
-            _io_pool = _ext.ThreadPool(thread_count("io"))
-        return _io_pool
+    return _get("io", lambda: _ext.ThreadPool(thread_count("io")))
 
 
 def upload_pool() -> _ext.ThreadPool:
     """The process-wide pool of staged uploads (``thread_count("io")`` threads)."""
-    global _upload_pool
-    with _lock:
-        if _upload_pool is None:
-            _upload_pool = _ext.ThreadPool(thread_count("io"))
-        return _upload_pool
+    return _get("upload", lambda: _ext.ThreadPool(thread_count("io")))
 
 
 def python_executor() -> concurrent.futures.ThreadPoolExecutor:
     """The process-wide Python thread pool (``thread_count("copy")`` threads)."""
-    global _executor
-    with _lock:
-        if _executor is None:
-            _executor = concurrent.futures.ThreadPoolExecutor(
-                thread_count("copy"), thread_name_prefix="cairn-io")
-        return _executor
+    return _get("python", lambda: concurrent.futures.ThreadPoolExecutor(
+        thread_count("copy"), thread_name_prefix="cairn-io"))
 
 
 def _forget_in_child() -> None:
-    global _io_pool, _upload_pool, _executor, _lock
-    for pool in (_io_pool, _upload_pool):
-        if pool is not None:
+    global _shared, _lock
+    for pool in _shared.values():
+        if isinstance(pool, _ext.ThreadPool):
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(pool))  # never destroyed: see above
-    _io_pool, _upload_pool, _executor, _lock = None, None, None, threading.Lock()
+    _shared, _lock = {}, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
