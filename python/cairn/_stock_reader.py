@@ -87,9 +87,7 @@ def _local_path(path: str | os.PathLike) -> str:
     p = os.fspath(path)
     if isinstance(p, bytes):
         p = os.fsdecode(p)
-    if p.startswith("file://"):
-        p = p[len("file://") :]
-    return p
+    return _ext.local_dir_of_uri(p) or p
 
 
 def is_stock_checkpoint(path: str | os.PathLike) -> bool:

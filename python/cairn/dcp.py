@@ -134,13 +134,12 @@ def _staging_dir(path: str | os.PathLike) -> str:
     s = os.fspath(path)
     if not isinstance(s, str) or not s:
         raise InvalidArgumentError(f"invalid staging_dir {path!r}")
-    if s.startswith("file://"):
-        s = s[len("file://") :]
-    elif "://" in s:
+    local = _ext.local_dir_of_uri(s)
+    if not local:
         raise InvalidArgumentError(
             f"staging_dir must be a local directory (a fast local disk), got {s}"
         )
-    return os.path.abspath(s)
+    return os.path.abspath(local)
 
 
 def _local_path(uri: str) -> str | None:

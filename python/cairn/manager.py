@@ -118,10 +118,8 @@ def memory_tier_name(root: str) -> str:
     """The shm:// name of the memory tier of the run checkpointing to `root` on this
     node: derived from the root's real path (a URI root such as s3://: from the URI),
     so a restarted process finds it."""
-    if "://" in root and not root.startswith("file://"):
-        key = root.rstrip("/")
-    else:
-        key = os.path.realpath(root[len("file://"):] if root.startswith("file://") else root)
+    local = _ext.local_dir_of_uri(root)
+    key = os.path.realpath(local) if local else root.rstrip("/")
     tag = hashlib.sha256(key.encode()).hexdigest()[:16]
     return f"cairn-{tag}"
 
@@ -565,7 +563,7 @@ class CheckpointManager:
 
     @staticmethod
     def _local_path(uri: str) -> str:
-        return uri[len("file://"):] if uri.startswith("file://") else uri
+        return _ext.local_dir_of_uri(uri) or uri
 
     def _slot_uri(self, slot: int) -> str:
         return f"shm://{self.shm_name}/slot{slot}"
