@@ -75,6 +75,28 @@ class PyCheckpointReader {
   std::unique_ptr<CheckpointReader> reader_;
 };
 
+// The (address, nbytes) buffers a data-file write takes from Python.
+std::vector<BufferRef> BufferRefs(const std::vector<std::pair<uintptr_t, uint64_t>>& buffers) {
+  std::vector<BufferRef> refs;
+  refs.reserve(buffers.size());
+  for (const auto& [addr, size] : buffers) {
+    refs.push_back({reinterpret_cast<const void*>(addr), size});
+  }
+  return refs;
+}
+
+// A data-file write's result for Python: (file_size, [(offset, length, [block
+// checksums])...]).
+nb::tuple DataFileTuple(const DataFileResult& res) {
+  nb::list items;
+  for (const auto& loc : res.items) {
+    nb::list sums;
+    for (uint64_t c : loc.checksums) sums.append(c);
+    items.append(nb::make_tuple(loc.offset, loc.length, sums));
+  }
+  return nb::make_tuple(res.file_size, items);
+}
+
 }  // namespace
 
 void RegisterCheckpoint(nb::module_& m) {
@@ -111,23 +133,13 @@ void RegisterCheckpoint(nb::module_& m) {
       [](const std::string& uri, const std::string& key,
          const std::vector<std::pair<uintptr_t, uint64_t>>& buffers, ThreadPool& pool,
          bool direct_io, bool sync, uint64_t block_size) {
-        std::vector<BufferRef> refs;
-        refs.reserve(buffers.size());
-        for (const auto& [addr, size] : buffers) {
-          refs.push_back({reinterpret_cast<const void*>(addr), size});
-        }
+        std::vector<BufferRef> refs = BufferRefs(buffers);
         DataFileOptions opts = MakeDataFileOptions(direct_io, sync, block_size);
         DataFileResult res =
             ValueOrThrow(WithStorage<DataFileResult>(uri, /*create=*/true, [&](Storage* st) {
               return WriteDataFile(st, key, refs, &pool, opts);
             }));
-        nb::list items;
-        for (const auto& loc : res.items) {
-          nb::list sums;
-          for (uint64_t c : loc.checksums) sums.append(c);
-          items.append(nb::make_tuple(loc.offset, loc.length, sums));
-        }
-        return nb::make_tuple(res.file_size, items);
+        return DataFileTuple(res);
       },
       nb::arg("uri"), nb::arg("key"), nb::arg("buffers"), nb::arg("pool"),
       nb::arg("direct_io") = false, nb::arg("sync") = true,
@@ -140,11 +152,7 @@ void RegisterCheckpoint(nb::module_& m) {
       [](const std::string& stage_uri, const std::string& target_uri, const std::string& key,
          const std::vector<std::pair<uintptr_t, uint64_t>>& buffers, ThreadPool& pool,
          ThreadPool& copy_pool, bool direct_io, bool sync, uint64_t block_size) {
-        std::vector<BufferRef> refs;
-        refs.reserve(buffers.size());
-        for (const auto& [addr, size] : buffers) {
-          refs.push_back({reinterpret_cast<const void*>(addr), size});
-        }
+        std::vector<BufferRef> refs = BufferRefs(buffers);
         DataFileOptions opts = MakeDataFileOptions(false, false, block_size);
         DataFileResult res = WithoutGil([&]() -> Result<DataFileResult> {
           CAIRN_ASSIGN_OR_RETURN(auto stage, OpenStorage(stage_uri, /*create=*/true));
@@ -159,13 +167,7 @@ void RegisterCheckpoint(nb::module_& m) {
           return WriteDataFileStaged(stage.get(), target.get(), key, refs, &pool, &copy_pool, opts,
                                      copy);
         });
-        nb::list items;
-        for (const auto& loc : res.items) {
-          nb::list sums;
-          for (uint64_t c : loc.checksums) sums.append(c);
-          items.append(nb::make_tuple(loc.offset, loc.length, sums));
-        }
-        return nb::make_tuple(res.file_size, items);
+        return DataFileTuple(res);
       },
       nb::arg("stage_uri"), nb::arg("target_uri"), nb::arg("key"), nb::arg("buffers"),
       nb::arg("pool"), nb::arg("copy_pool"), nb::arg("direct_io") = false, nb::arg("sync") = true,
