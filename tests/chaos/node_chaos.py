@@ -125,13 +125,7 @@ def trial(workdir: str, ref: str, name: str, per: int, spec: str, lose: tuple[in
             time.sleep(0.05)  # polls the job: the kill instant is the chaos point's
         out["killed"] = "[chaos]" in job.log(victim)
         if out["killed"]:
-            for i, node in enumerate(nodes):
-                if i in lose:
-                    node.lose()
-                    nodes[i] = multinode.Node(node.name)
-                else:
-                    node.kill_processes()
-            job.nodes = nodes
+            job.lose_nodes(lose)
             job.start()
         rcs = job.wait_all(max(1.0, deadline - time.monotonic()) + timeout)
         world = 2 * per

@@ -110,6 +110,17 @@ class Job:
         self.procs = procs
         return procs
 
+    def lose_nodes(self, lose) -> None:
+        """Node loss before a restart: the nodes at the indexes in `lose` are gone (a
+        fresh node of the same name takes each one's place in ``self.nodes``, the list
+        the job was made with), the others only lose their processes."""
+        for i, node in enumerate(self.nodes):
+            if i in lose:
+                node.lose()
+                self.nodes[i] = Node(node.name)
+            else:
+                node.kill_processes()
+
     def log(self, rank: int) -> str:
         with open(os.path.join(self.workdir, f"a{self.attempt}.r{rank}.log")) as f:
             return f.read()

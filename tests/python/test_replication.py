@@ -93,15 +93,9 @@ def run_with_loss(reference, name, lose, corrupt=False, per=1):
         listing = nodes[0].run([os.path.join(multinode.REPO, "build", "cairn"), "ls",
                                 "--memory"]) if os.path.exists(
             os.path.join(multinode.REPO, "build", "cairn")) else ""
-        for i, node in enumerate(nodes):
-            if i in lose:
-                node.lose()
-                nodes[i] = multinode.Node(node.name)
-            else:
-                node.kill_processes()
+        job.lose_nodes(lose)
         if corrupt:
             nodes[0].run([sys.executable, "-c", FLIP])
-        job.nodes = nodes
         job.start()
         rcs = job.wait_all(240)
         assert rcs == [0] * 2 * per, job.log(0) + job.log(per)
