@@ -187,8 +187,9 @@ class ReplicaStore {
   const std::vector<ReplicaPlacement::Pair>& live_pairs() const { return live_; }
   // The mapped replica file receiving source rank q's slot, sized to its slot
   // size: resized in place, allocated with posix_fallocate, pages populated
-  // (no page fault, no SIGBUS while it receives). Valid until the next
-  // Begin() or Close().
+  // (no page fault, no SIGBUS while it receives), and kept mapped for the
+  // next save of the slot. Valid until a later ReceiveBuffer() of the same
+  // source and slot remaps it (its size or inode changed) or Close().
   Result<ReplicaTransfer> ReceiveBuffer(int64_t q);
   // Checks rank q's received items (offsets, lengths and per-block XXH3 of
   // each, from its save) against the replica file: "" when all match, else
