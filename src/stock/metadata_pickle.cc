@@ -204,6 +204,39 @@ bool Truthy(const Value* v) {
   }
 }
 
+// list(v) for the iterable values (each character of a str, each byte of a
+// bytes as an int, a dict's keys); nullopt when `v` is not iterable. New
+// values (characters, bytes) are kept in `temps`.
+std::optional<std::vector<const Value*>> Elements(const Value* v, std::deque<Value>* temps) {
+  std::vector<const Value*> out;
+  switch (v->kind) {
+    case Value::kList:
+    case Value::kTuple:
+    case Value::kSize:
+      out.assign(v->items.begin(), v->items.end());
+      return out;
+    case Value::kDict:
+      for (size_t k = 0; k < v->items.size(); k += 2) out.push_back(v->items[k]);
+      return out;
+    case Value::kStr:
+      for (size_t k = 0; k < v->s.size();) {  // valid UTF-8: step over continuation bytes
+        size_t n = 1;
+        while (k + n < v->s.size() && (static_cast<unsigned char>(v->s[k + n]) & 0xc0) == 0x80) ++n;
+        Value& c = temps->emplace_back(Scalar(Value::kStr));
+        c.s = v->s.substr(k, n);
+        out.push_back(&c);
+        k += n;
+      }
+      return out;
+    case Value::kBytes:
+      for (char b : v->s)
+        out.push_back(&temps->emplace_back(Scalar(Value::kInt, static_cast<uint8_t>(b))));
+      return out;
+    default:
+      return std::nullopt;
+  }
+}
+
 // Python's repr(v), roughly, for error messages (depth-bounded).
 std::string Repr(const Value* v, int depth = 0) {
   if (v == nullptr) return "None";
@@ -230,8 +263,19 @@ std::string Repr(const Value* v, int depth = 0) {
       return std::to_string(std::bit_cast<double>(v->i));
     case Value::kStr:
       return PyRepr(v->s);
-    case Value::kBytes:
-      return "b" + PyRepr(v->s);
+    case Value::kBytes: {  // every byte outside printable ASCII escaped
+      static constexpr char kDigits[] = "0123456789abcdef";
+      std::string out = "b'";
+      for (char c : v->s) {
+        const auto u = static_cast<unsigned char>(c);
+        if (u >= 0x20 && u < 0x7f && c != '\'' && c != '\\') {
+          out += c;
+        } else {
+          out += {'\\', 'x', kDigits[u >> 4], kDigits[u & 15]};
+        }
+      }
+      return out + "'";
+    }
     case Value::kTuple:
       return seq("(", ")");
     case Value::kList:
@@ -493,6 +537,7 @@ class Unpickler {
         case 'c': {  // GLOBAL module\nname\n
           CAIRN_ASSIGN_OR_RETURN(std::string_view module, Line());
           CAIRN_ASSIGN_OR_RETURN(std::string_view name, Line());
+          if (!IsUtf8(module) || !IsUtf8(name)) return Bad("a global name is not valid UTF-8");
           CAIRN_RETURN_IF_ERROR(PushGlobal(module, name));
           break;
         }
@@ -853,7 +898,10 @@ class Converter {
         const Value* key = planner->items[k];
         const Value* path = planner->items[k + 1];
         const std::string bad = "planner_data[" + Repr(key) + "] is malformed";
-        if (key->kind != Value::kStr || path->kind != Value::kTuple) return Fail(bad);
+        if (key->kind != Value::kStr ||
+            (path->kind != Value::kTuple && path->kind != Value::kSize)) {
+          return Fail(bad);
+        }
         std::vector<StockPathPart> parts;
         for (const Value* p : path->items) {
           if (p->kind == Value::kStr) {
@@ -934,10 +982,10 @@ class Converter {
       meta.save_id = str("save_id");
       const Value* modules = Get(smf, "modules");
       if (modules != nullptr && Truthy(modules)) {
-        if (modules->kind != Value::kList && modules->kind != Value::kTuple) {
-          return Fail("storage_meta.modules is not a list");
-        }
-        for (const Value* m : modules->items) {
+        std::deque<Value> temps;
+        auto elements = Elements(modules, &temps);
+        if (!elements) return Fail("storage_meta.modules is not iterable");
+        for (const Value* m : *elements) {
           if (m->kind == Value::kStr) meta.modules.emplace_back(m->s);
         }
       }
@@ -1114,11 +1162,11 @@ class Converter {
       return Fail(where + ": bad offset/length " + Repr(off) + "/" + Repr(length));
     }
     if (td != nullptr && Truthy(td)) {
-      if (td->kind != Value::kList && td->kind != Value::kTuple) {
-        return Fail(where + ": transform_descriptors is not a list");
-      }
-      Value as_list = *td;
-      as_list.kind = Value::kList;
+      std::deque<Value> temps;
+      auto elements = Elements(td, &temps);
+      if (!elements) return Fail(where + ": transform_descriptors is not iterable");
+      Value as_list = Scalar(Value::kList);
+      for (const Value* e : *elements) as_list.items.push_back(const_cast<Value*>(e));
       return InvalidArgumentError(source_ + ": item " + where + " uses stream transforms " +
                                   Repr(&as_list) +
                                   " (e.g. compression), which cairn's stock reader does not "
