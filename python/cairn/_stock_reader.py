@@ -32,8 +32,9 @@ three steps:
    recognises torch.save's one-tensor form (rebuild function, storage class,
    sizes, strides), the view is checked against its storage, and the slice
    the destination needs (resharding) is read straight into it, items and
-   large items' pieces in parallel on cairn's I/O pool. Any other form, or a
-   destination of another dtype or device, is decoded here with
+   large items' pieces in parallel on cairn's I/O pool (a destination of
+   another dtype or device gets a CPU tensor of the stored dtype, filled
+   so and copied over). Any other form is decoded here with
    ``torch.load(weights_only=True)`` and copied. Non-tensor items are handed
    to the planner (which unpickles them with ``weights_only=False``) only if
    they also decode with ``weights_only=True`` (plus cairn's small allowlist,
@@ -49,7 +50,6 @@ import io
 import os
 import pickle
 import threading
-import warnings
 from typing import Any
 
 import torch
@@ -128,27 +128,18 @@ def read_stock_metadata(path: str | os.PathLike, rank: int | None = None) -> _md
 
 
 def _decode_tensor(buf, where: str, verify_crc: bool) -> torch.Tensor:
-    """The tensor of a torch.save item held in ``buf``: a strided view of
-    ``buf`` itself when the archive has the plain one-tensor form (no copy),
-    else torch.load(weights_only=True). The archive's records and CRC32s are
-    checked by the engine either way."""
-    rec = _ext.decode_stock_tensor(buf, where, verify_crc)
-    if rec is None:  # not the plain form: torch's own safe decoder
-        try:
-            t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise CorruptionError(f"{where}: undecodable tensor item ({e})") from e
-        if not isinstance(t, torch.Tensor):
-            raise CorruptionError(f"{where}: item is a {type(t).__name__}, not a tensor")
-        return t
-    dtype_name, begin, numel, offset, size, stride = rec
-    dtype = getattr(torch, dtype_name)
-    if numel == 0:
-        return torch.empty(size, dtype=dtype)
-    with warnings.catch_warnings():  # frombuffer warns about writable buffers
-        warnings.simplefilter("ignore")
-        flat = torch.frombuffer(buf, dtype=dtype, count=numel, offset=begin)
-    return flat.as_strided(size, stride, offset)
+    """The tensor of a torch.save item held in ``buf`` (one in another form than
+    the engine reads itself), decoded by torch.load(weights_only=True) once the
+    engine has checked the archive's records, CRC32s and, in the plain
+    one-tensor form, the view against its storage."""
+    _ext.decode_stock_tensor(buf, where, verify_crc)  # raises on damage
+    try:
+        t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CorruptionError(f"{where}: undecodable tensor item ({e})") from e
+    if not isinstance(t, torch.Tensor):
+        raise CorruptionError(f"{where}: item is a {type(t).__name__}, not a tensor")
+    return t
 
 
 # Types a DCP state holds that torch.load(weights_only=True) does not rebuild on
@@ -204,11 +195,11 @@ class StockReader(FileSystemReader):
 
     Supports loading on any world size (resharding: each request is narrowed to
     the slice the destination needs). One instance serves one ``dcp.load`` at a
-    time. A tensor item in torch.save's plain one-tensor form that lands in a
-    CPU tensor of its dtype is loaded by the C++ engine
-    (``_ext.read_stock_tensors``: zip records and CRC32s checked, bytes read
-    straight into the destination, in parallel); other forms and destinations
-    are decoded here (``torch.load(weights_only=True)``) and copied.
+    time. A tensor item in torch.save's plain one-tensor form is loaded by the
+    C++ engine (``_ext.read_stock_tensors``: zip records and CRC32s checked,
+    bytes read in parallel straight into the destination when it is a CPU
+    tensor of the stored dtype, else into a CPU copy then copied over); other
+    forms are decoded here (``torch.load(weights_only=True)``) and copied.
 
     Args:
         path: the checkpoint directory (or ``file://`` URI).
@@ -283,23 +274,29 @@ class StockReader(FileSystemReader):
                     f"{item[2]}: destination slice is {list(target.shape)}, stored slice "
                     f"is {list(req.lengths)}"
                 )
-            if expected is None or not _engine_can_fill(target, expected[1]):
+            if expected is None:
                 slow.append(item + (target,))
                 continue
-            engine.append(item + (target,))
+            # A destination the engine cannot fill itself (another dtype or
+            # device, a view with repeated elements) gets a CPU copy it fills.
+            dest = target if _engine_can_fill(target, expected[1]) else torch.empty(
+                list(req.lengths), dtype=expected[1])
+            engine.append(item + (target, dest))
             engine_reqs.append((
                 info.relative_path, info.offset, info.length, item[2],
                 repr(req.storage_index.fqn), str(expected[1]).removeprefix("torch."),
                 list(expected[0]), list(req.storage_offsets), list(req.lengths),
-                target.data_ptr(), list(target.stride()),
+                dest.data_ptr(), list(dest.stride()),
             ))
         pool = self._own_pool or _pools.io_pool()
         fallback = _ext.read_stock_tensors(storage, engine_reqs, pool, self.verify_crc)
-        for item, fell in zip(engine, fallback):
+        for (req, info, where, target, dest), fell in zip(engine, fallback):
             if fell:
-                slow.append(item)
-            else:
-                planner.commit_tensor(item[0], item[3])
+                slow.append((req, info, where, target))
+                continue
+            if dest is not target:
+                target.copy_(dest)
+            planner.commit_tensor(req, target)
         for item in slow:
             self._read_item(storage, planner, *item)
         fut: Future[None] = Future()
@@ -313,9 +310,8 @@ class StockReader(FileSystemReader):
     # -- internals ---------------------------------------------------------
 
     def _read_item(self, storage, planner: LoadPlanner, req, info, where, target=None) -> None:
-        """One item the engine does not fill: a non-tensor value, a tensor in
-        another form than torch.save's plain one, or a destination of another
-        dtype or device."""
+        """One item the engine does not fill: a non-tensor value, or a tensor in
+        another form than torch.save's plain one."""
         data = _ext.read_stock_item(storage, info.relative_path, info.offset, info.length,
                                     where, repr(req.storage_index.fqn))
         if req.type == LoadItemType.BYTE_IO:
