@@ -688,29 +688,41 @@ class Unpickler {
   // keys that matter here: equal strings and the same object are one key.
   Status SetItems(Value* d, const std::vector<Value*>& items) {
     if (items.size() % 2 != 0) return Bad("odd number of items for SETITEMS");
-    DictIndex& index = dict_index_[d];
     for (size_t k = 0; k < items.size(); k += 2) {
       Value* key = items[k];
       Value* value = items[k + 1];
       if (!Hashable(key)) return Bad("unhashable dict key");
       CAIRN_RETURN_IF_ERROR(Nest(d, key));
       CAIRN_RETURN_IF_ERROR(Nest(d, value));
-      size_t* slot = nullptr;
-      if (key->kind == Value::kStr) {
-        auto [it, fresh] = index.strs.try_emplace(key->s, d->items.size());
-        if (!fresh) slot = &it->second;
-      } else if (key->kind == Value::kObject) {
-        auto [it, fresh] = index.objects.try_emplace(key, d->items.size());
-        if (!fresh) slot = &it->second;
+      const size_t at = Find(d, key);
+      if (at != kAbsent) {
+        d->items[at + 1] = value;
+        continue;
       }
-      if (slot != nullptr) {
-        d->items[*slot + 1] = value;
-      } else {
-        d->items.push_back(key);
-        d->items.push_back(value);
-      }
+      auto it = dict_index_.find(d);
+      if (it != dict_index_.end()) it->second.Add(key, d->items.size());
+      d->items.push_back(key);
+      d->items.push_back(value);
     }
     return Status::OK();
+  }
+  // Where `key` is among the keys of `d` (an index into its items), or
+  // kAbsent. Small dicts (every object's fields) are scanned; large ones get
+  // an index on first use.
+  size_t Find(Value* d, const Value* key) {
+    if (key->kind != Value::kStr && key->kind != Value::kObject) return kAbsent;
+    auto it = dict_index_.find(d);
+    if (it == dict_index_.end()) {
+      if (d->items.size() < 2 * kScannedDictSize) {
+        for (size_t k = 0; k < d->items.size(); k += 2) {
+          if (DictIndex::Same(d->items[k], key)) return k;
+        }
+        return kAbsent;
+      }
+      it = dict_index_.try_emplace(d).first;
+      for (size_t k = 0; k < d->items.size(); k += 2) it->second.Add(d->items[k], k);
+    }
+    return it->second.Find(key);
   }
   // Like the stand-ins' __setstate__: a dict (or a (dict|None, dict) pair) updates
   // the fields; any other state is kept whole.
@@ -850,10 +862,29 @@ class Unpickler {
     }
   }
 
+  // The keys of a large dict that Python's dict would find equal: equal
+  // strings, and the same object.
   struct DictIndex {
+    static bool Same(const Value* a, const Value* b) {
+      return a == b || (a->kind == Value::kStr && b->kind == Value::kStr && a->s == b->s);
+    }
+    void Add(const Value* key, size_t at) {
+      if (key->kind == Value::kStr) strs.try_emplace(key->s, at);
+      if (key->kind == Value::kObject) objects.try_emplace(key, at);
+    }
+    size_t Find(const Value* key) const {
+      if (key->kind == Value::kStr) {
+        auto it = strs.find(key->s);
+        return it == strs.end() ? kAbsent : it->second;
+      }
+      auto it = objects.find(key);
+      return it == objects.end() ? kAbsent : it->second;
+    }
     std::unordered_map<std::string_view, size_t> strs;
     std::unordered_map<const Value*, size_t> objects;
   };
+  static constexpr size_t kAbsent = ~size_t{0};
+  static constexpr size_t kScannedDictSize = 16;
 
   std::string_view p_;
   const std::string& source_;

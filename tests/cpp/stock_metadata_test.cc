@@ -207,6 +207,30 @@ TEST(StockMetadataDecodeTest, AChunkOutsideItsTensorOrAMissingLocationIsRefused)
                  "no data location for 'w' at torch.Size([0])");
 }
 
+// A Metadata with empty state and storage and the planner_data pairs
+// (key, 1-tuple of a str) in pickle order, duplicates included.
+std::string MetadataWithPlannerData(const std::vector<std::pair<std::string, std::string>>& kv) {
+  std::string p = std::string("\x80\x04", 2) + Str("torch.distributed.checkpoint.metadata") +
+                  Str("Metadata") + "\x93)\x81}(" + Str("state_dict_metadata") + "}" +
+                  Str("storage_data") + "}" + Str("planner_data") + "}(";
+  for (const auto& [k, v] : kv) p += Str(k) + Str(v) + "\x85";
+  return p + "uub.";
+}
+
+TEST(StockMetadataDecodeTest, ARepeatedDictKeyKeepsItsPlaceAndTakesTheLastValue) {
+  for (size_t n : {3, 40}) {  // a scanned dict and an indexed one
+    std::vector<std::pair<std::string, std::string>> kv;
+    for (size_t i = 0; i < n; ++i) kv.emplace_back("k" + std::to_string(i), "a");
+    kv.emplace_back("k1", "z");
+    Result<StockMetadata> m = DecodeStockMetadata(MetadataWithPlannerData(kv), kSource);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    ASSERT_EQ(m->planner_data->size(), n);
+    EXPECT_EQ((*m->planner_data)[1].first, "k1");
+    EXPECT_EQ((*m->planner_data)[1].second, std::vector<StockPathPart>{std::string("z")});
+    EXPECT_EQ((*m->planner_data)[2].second, std::vector<StockPathPart>{std::string("a")});
+  }
+}
+
 TEST(StockMetadataDecodeTest, AnUnsupportedVersionIsInvalidArgument) {
   Status s = Decode(Splice(kDcpMetadataV4, Str("1.0.0"), Str("2.0.0")));
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
