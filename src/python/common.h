@@ -61,5 +61,6 @@ void RegisterStaging(nanobind::module_& m);
 void RegisterCache(nanobind::module_& m);
 void RegisterTier(nanobind::module_& m);
 void RegisterStock(nanobind::module_& m);
+void RegisterValues(nanobind::module_& m);
 
 }  // namespace cairn::python
