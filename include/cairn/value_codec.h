@@ -23,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -91,6 +92,27 @@ Result<std::string> EncodePlannerData(const StoredValue& v);
 // The planner data EncodePlannerData encoded in `json`; DataLoss for JSON
 // that is not such an encoding (as DecodeValue, and any other tag).
 Result<StoredValue> DecodePlannerData(std::string_view json);
+
+// DCP's Metadata fields that a manifest keeps in its extra.dcp section
+// (docs/format.md, "extra"): validated by the engine, interpreted above it.
+struct DcpSection {
+  std::optional<std::string> version;
+  StoredValue planner_data;  // kNone when absent
+  struct StorageMeta {
+    std::optional<std::string> checkpoint_id;
+    std::optional<std::string> save_id;
+    std::vector<std::string> modules;
+  };
+  std::optional<StorageMeta> storage_meta;
+};
+
+// The JSON object `extra` with its "dcp" member set to `dcp`. InvalidArgument
+// when `extra` is not a JSON object or the planner data cannot be encoded.
+Result<std::string> ExtraWithDcpSection(std::string_view extra, const DcpSection& dcp);
+
+// The DCP section of a manifest's `extra` JSON (empty when absent or null);
+// DataLoss when it is not an object or its planner data is malformed.
+Result<DcpSection> ReadDcpSection(std::string_view extra);
 
 // Standard base64 with '=' padding, and its strict inverse (only the
 // alphabet, a length that is a multiple of 4, at most two '=' at the end;

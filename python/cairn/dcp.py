@@ -135,12 +135,6 @@ def _staging_dir(path: str | os.PathLike) -> str:
     return os.path.abspath(local)
 
 
-def _local_path(uri: str) -> str | None:
-    """The local directory of the storage at ``uri`` (the engine parses the
-    URI), or None when it has none (s3)."""
-    return _ext.local_dir_of_uri(uri) or None
-
-
 def _io_pool(thread_count: int | None) -> _ext.ThreadPool:
     """A Writer's or Reader's I/O pool: its own when it was given a thread_count,
     else the process-wide one (cairn._pools)."""
@@ -556,12 +550,8 @@ class Reader(StorageReader):
         try:
             self._reader = engine if engine is not None else _ext.CheckpointReader(uri)
         except NotFoundError:
-            local = _local_path(uri)
-            if (
-                not _ext.has_manifest(uri)
-                and local is not None
-                and is_stock_checkpoint(local)
-            ):
+            local = _ext.local_dir_of_uri(uri)  # '' when it has none (s3)
+            if local and not _ext.has_manifest(uri) and is_stock_checkpoint(local):
                 self._stock = StockReader(local, allow_pickle=self.allow_pickle)
                 # Validated now, not lazily inside dcp.load: DCP reports a
                 # failed read_metadata as a bare AssertionError. Saved without

@@ -9,7 +9,6 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -318,27 +317,24 @@ void RegisterValues(nb::module_& m) {
   m.def("decode_planner_data", &PlannerDataOf, nb::arg("json"),
         "The planner data encode_planner_data encoded; CorruptionError otherwise.");
 
-  // A manifest's extra.dcp section (docs/format.md): DCP's Metadata fields
-  // that the engine does not interpret but validates on every read.
+  // A manifest's extra.dcp section (DcpSection): DCP's Metadata fields.
   m.def(
       "dcp_extra_json",
       [](std::optional<std::string> version, nb::handle planner_data,
          std::optional<StorageMetaTuple> storage_meta, const std::string& extra) {
-        nlohmann::json out = nlohmann::json::parse(extra, nullptr, /*allow_exceptions=*/false);
-        if (!out.is_object()) RaiseStatus(InvalidArgumentError("extra must be a JSON object"));
-        nlohmann::json dcp = nlohmann::json::object();
-        dcp["version"] = version ? nlohmann::json(*version) : nlohmann::json();
-        dcp["planner_data"] = nlohmann::json::parse(PlannerDataJson(planner_data));
+        DcpSection dcp;
+        dcp.version = std::move(version);
+        Mode mode{.planner = true};
+        if (!ToStored(planner_data.ptr(), 0, mode, &dcp.planner_data)) {
+          PlannerDataJson(planner_data);  // raises, naming what it cannot hold
+        }
         if (storage_meta) {
           auto& [id, save_id, modules] = *storage_meta;
-          dcp["storage_meta"] = {{"checkpoint_id", id ? nlohmann::json(*id) : nlohmann::json()},
-                                 {"save_id", save_id ? nlohmann::json(*save_id) : nlohmann::json()},
-                                 {"modules", modules}};
-        } else {
-          dcp["storage_meta"] = nullptr;
+          dcp.storage_meta = DcpSection::StorageMeta{id, save_id, modules};
         }
-        out["dcp"] = std::move(dcp);
-        return out.dump();
+        Result<std::string> json = ExtraWithDcpSection(extra, dcp);
+        if (!json.ok()) PlannerDataJson(planner_data);  // raises when the planner data is why
+        return ValueOrThrow(std::move(json));
       },
       nb::arg("version"), nb::arg("planner_data"), nb::arg("storage_meta"), nb::arg("extra"),
       "The manifest's extra JSON: the object `extra` with the DCP section of a save\n"
@@ -346,34 +342,14 @@ void RegisterValues(nb::module_& m) {
   m.def(
       "dcp_section",
       [](const Manifest& manifest) {
-        using nlohmann::json;
-        json extra = json::parse(manifest.extra, nullptr, /*allow_exceptions=*/false);
-        json dcp = extra.is_object() ? extra.value("dcp", json()) : json();
-        if (!dcp.is_null() && !dcp.is_object()) {
-          RaiseStatus(DataLossError("malformed 'extra.dcp' section in the manifest"));
-        }
-        std::optional<std::string> version;
-        nb::object planner = nb::none();
+        Result<DcpSection> r = ReadDcpSection(manifest.extra);
+        if (!r.ok()) RaiseStatus(DataLossError("manifest: " + r.status().message()));
+        Result<nb::object> planner = ToPython(r->planner_data);
+        if (!planner.ok()) RaiseStatus(DataLossError("manifest: " + planner.status().message()));
         std::optional<StorageMetaTuple> meta;
-        if (dcp.is_object()) {
-          if (auto v = dcp.find("version"); v != dcp.end() && v->is_string()) version = *v;
-          if (auto p = dcp.find("planner_data"); p != dcp.end()) planner = PlannerDataOf(p->dump());
-          if (auto sm = dcp.find("storage_meta"); sm != dcp.end() && sm->is_object()) {
-            auto str = [&](const char* k) -> std::optional<std::string> {
-              auto f = sm->find(k);
-              if (f == sm->end() || !f->is_string()) return std::nullopt;
-              return f->get<std::string>();
-            };
-            std::vector<std::string> modules;
-            if (auto mods = sm->find("modules"); mods != sm->end() && mods->is_array()) {
-              for (const json& e : *mods) {
-                if (e.is_string()) modules.push_back(e.get<std::string>());
-              }
-            }
-            meta = StorageMetaTuple{str("checkpoint_id"), str("save_id"), std::move(modules)};
-          }
-        }
-        return nb::make_tuple(version, planner, meta);
+        if (const auto& sm = r->storage_meta)
+          meta = StorageMetaTuple{sm->checkpoint_id, sm->save_id, sm->modules};
+        return nb::make_tuple(r->version, *planner, meta);
       },
       nb::arg("manifest"),
       "(version, planner data, (checkpoint_id, save_id, modules) or None) of a validated\n"

@@ -176,6 +176,33 @@ TEST(ValueCodec, RepeatedKeyKeepsTheLastValue) {
   EXPECT_EQ(v->items.size(), 2u);
 }
 
+TEST(DcpSection, RoundTripsBesideTheOtherExtraMembers) {
+  DcpSection dcp;
+  dcp.version = "2.0.0";
+  dcp.planner_data = Seq(Kind::kDict, {Str("a.b"), Seq(Kind::kTuple, {Str("a"), Str("b")})});
+  dcp.storage_meta = DcpSection::StorageMeta{"/ckpt", std::nullopt, {"m"}};
+  Result<std::string> extra = ExtraWithDcpSection(R"({"user":{"k":1}})", dcp);
+  ASSERT_TRUE(extra.ok()) << extra.status().ToString();
+  EXPECT_NE(extra->find(R"("user":{"k":1})"), std::string::npos) << *extra;
+  Result<DcpSection> back = ReadDcpSection(*extra);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->version, dcp.version);
+  ExpectSame(back->planner_data, dcp.planner_data);
+  ASSERT_TRUE(back->storage_meta.has_value());
+  EXPECT_EQ(back->storage_meta->checkpoint_id, "/ckpt");
+  EXPECT_FALSE(back->storage_meta->save_id.has_value());
+  EXPECT_EQ(back->storage_meta->modules, std::vector<std::string>{"m"});
+  // Absent: empty. Planner data that is not its encoding, or bytes in it: refused.
+  EXPECT_FALSE(ReadDcpSection("{}")->version.has_value());
+  EXPECT_EQ(ReadDcpSection(R"({"dcp":3})").status().code(), StatusCode::kDataLoss);
+  EXPECT_EQ(ReadDcpSection(R"({"dcp":{"planner_data":{"__bytes__":""}}})").status().code(),
+            StatusCode::kDataLoss);
+  dcp.planner_data = Str("x", Kind::kBytes);
+  EXPECT_EQ(ExtraWithDcpSection("{}", dcp).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ExtraWithDcpSection("[]", DcpSection{}).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(Base64, MatchesTheStandardAlphabetAndPadding) {
   EXPECT_EQ(Base64Encode(""), "");
   EXPECT_EQ(Base64Encode("f"), "Zg==");
