@@ -199,8 +199,7 @@ TEST(DcpSection, RoundTripsBesideTheOtherExtraMembers) {
             StatusCode::kDataLoss);
   dcp.planner_data = Str("x", Kind::kBytes);
   EXPECT_EQ(ExtraWithDcpSection("{}", dcp).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(ExtraWithDcpSection("[]", DcpSection{}).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ExtraWithDcpSection("[]", DcpSection{}).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(Base64, MatchesTheStandardAlphabetAndPadding) {
