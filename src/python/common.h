@@ -62,5 +62,6 @@ void RegisterCache(nanobind::module_& m);
 void RegisterTier(nanobind::module_& m);
 void RegisterStock(nanobind::module_& m);
 void RegisterReplication(nanobind::module_& m);
+void RegisterValues(nanobind::module_& m);
 
 }  // namespace cairn::python

@@ -31,4 +31,5 @@ NB_MODULE(_ext, m) {
   cairn::python::RegisterTier(m);
   cairn::python::RegisterStock(m);
   cairn::python::RegisterReplication(m);
+  cairn::python::RegisterValues(m);
 }
