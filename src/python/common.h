@@ -7,8 +7,11 @@
 
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "cairn/checkpoint.h"
 #include "cairn/status.h"
@@ -19,6 +22,29 @@ namespace cairn::python {
 // A Storage owned by Python (_ext.Storage, from _ext.open_storage).
 struct PyStorage {
   std::unique_ptr<Storage> s;
+};
+
+// A CheckpointReader together with the Storage it reads from
+// (_ext.CheckpointReader): opened from a URI, or handed over by the engine
+// (the memory-tier readers TierSet opened while listing candidates).
+class PyCheckpointReader {
+ public:
+  // Opens the committed checkpoint at `uri`: manifest validated, data file
+  // sizes checked (raises on failure).
+  explicit PyCheckpointReader(const std::string& uri);
+  PyCheckpointReader(std::unique_ptr<Storage> storage, std::unique_ptr<CheckpointReader> reader)
+      : storage_(std::move(storage)), reader_(std::move(reader)) {}
+
+  const Manifest& manifest() const { return reader_->manifest(); }
+
+  // (kind, index, chunk, dest address, nbytes, byte offset in the item);
+  // kind 0 = tensor chunk, 1 = bytes item.
+  using ReadTuple = std::tuple<int, uint32_t, uint32_t, uintptr_t, uint64_t, uint64_t>;
+  void Read(const std::vector<ReadTuple>& requests, ThreadPool& pool);
+
+ private:
+  std::unique_ptr<Storage> storage_;
+  std::unique_ptr<CheckpointReader> reader_;
 };
 
 // Raises the Python exception matching `s` (see cairn/errors.py). `s` must
@@ -60,6 +86,7 @@ void RegisterCheckpoint(nanobind::module_& m);
 void RegisterStaging(nanobind::module_& m);
 void RegisterCache(nanobind::module_& m);
 void RegisterTier(nanobind::module_& m);
+void RegisterTiers(nanobind::module_& m);
 void RegisterStock(nanobind::module_& m);
 
 }  // namespace cairn::python

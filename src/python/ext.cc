@@ -29,5 +29,6 @@ NB_MODULE(_ext, m) {
   cairn::python::RegisterStaging(m);
   cairn::python::RegisterCache(m);
   cairn::python::RegisterTier(m);
+  cairn::python::RegisterTiers(m);
   cairn::python::RegisterStock(m);
 }

@@ -19,61 +19,48 @@
 namespace nb = nanobind;
 
 namespace cairn::python {
-namespace {
 
-// A CheckpointReader together with the Storage it reads from.
-class PyCheckpointReader {
- public:
-  explicit PyCheckpointReader(const std::string& uri) {
-    {
-      nb::gil_scoped_release release;
-      auto storage = OpenStorage(uri, /*create=*/false);
-      if (!storage.ok()) {
-        status_ = storage.status().code() == StatusCode::kNotFound
-                      ? NotFoundError("no such checkpoint: " + uri)
-                      : storage.status();
+PyCheckpointReader::PyCheckpointReader(const std::string& uri) {
+  Status status;
+  {
+    nb::gil_scoped_release release;
+    auto storage = OpenStorage(uri, /*create=*/false);
+    if (!storage.ok()) {
+      status = storage.status().code() == StatusCode::kNotFound
+                   ? NotFoundError("no such checkpoint: " + uri)
+                   : storage.status();
+    } else {
+      storage_ = std::move(*storage);
+      auto reader = CheckpointReader::Open(storage_.get(), "");
+      if (reader.ok()) {
+        reader_ = std::move(*reader);
+        status = reader_->CheckFiles();
       } else {
-        storage_ = std::move(*storage);
-        auto reader = CheckpointReader::Open(storage_.get(), "");
-        if (reader.ok()) {
-          reader_ = std::move(*reader);
-          status_ = reader_->CheckFiles();
-        } else {
-          status_ = reader.status();
-        }
+        status = reader.status();
       }
     }
-    ThrowIfError(status_);
   }
+  ThrowIfError(status);
+}
 
-  const Manifest& manifest() const { return reader_->manifest(); }
-
-  // requests: (kind, index, chunk, dest address, nbytes, byte offset in the
-  // item); kind 0 = tensor chunk, 1 = bytes item.
-  void Read(const std::vector<std::tuple<int, uint32_t, uint32_t, uintptr_t, uint64_t, uint64_t>>&
-                requests,
-            ThreadPool& pool) {
-    std::vector<ReadRequest> reqs;
-    reqs.reserve(requests.size());
-    for (const auto& [kind, index, chunk, addr, size, offset] : requests) {
-      if (kind != 0 && kind != 1) ThrowIfError(InvalidArgumentError("bad item kind"));
-      ReadRequest r;
-      r.item.kind = kind == 0 ? ItemRef::Kind::kTensorChunk : ItemRef::Kind::kBytes;
-      r.item.index = index;
-      r.item.chunk = chunk;
-      r.dest = reinterpret_cast<void*>(addr);
-      r.size = size;
-      r.offset = offset;
-      reqs.push_back(r);
-    }
-    WithoutGil([&] { return reader_->Read(reqs, &pool); });
+void PyCheckpointReader::Read(const std::vector<ReadTuple>& requests, ThreadPool& pool) {
+  std::vector<ReadRequest> reqs;
+  reqs.reserve(requests.size());
+  for (const auto& [kind, index, chunk, addr, size, offset] : requests) {
+    if (kind != 0 && kind != 1) ThrowIfError(InvalidArgumentError("bad item kind"));
+    ReadRequest r;
+    r.item.kind = kind == 0 ? ItemRef::Kind::kTensorChunk : ItemRef::Kind::kBytes;
+    r.item.index = index;
+    r.item.chunk = chunk;
+    r.dest = reinterpret_cast<void*>(addr);
+    r.size = size;
+    r.offset = offset;
+    reqs.push_back(r);
   }
+  WithoutGil([&] { return reader_->Read(reqs, &pool); });
+}
 
- private:
-  Status status_;
-  std::unique_ptr<Storage> storage_;
-  std::unique_ptr<CheckpointReader> reader_;
-};
+namespace {
 
 // The (address, nbytes) buffers a data-file write takes from Python.
 std::vector<BufferRef> BufferRefs(const std::vector<std::pair<uintptr_t, uint64_t>>& buffers) {
