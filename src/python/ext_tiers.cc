@@ -186,6 +186,9 @@ void RegisterTiers(nb::module_& m) {
           "__init__",
           [](TierSet* self, const std::string& root, std::optional<std::string> local, bool memory,
              uint32_t num_slots, std::optional<uint64_t> keep, uint64_t keep_local) {
+            if (local && local->empty()) {  // given, but empty (None is no local tier)
+              RaiseStatus(InvalidArgumentError("invalid local directory ''"));
+            }
             TierSetOptions o{root, local.value_or(""), memory, num_slots, keep, keep_local};
             std::unique_ptr<TierSet> t = WithoutGil([&] { return TierSet::Open(std::move(o)); });
             new (self) TierSet(std::move(*t));
