@@ -26,22 +26,9 @@ import os
 from typing import Any
 
 from cairn import _ext
-from cairn.errors import Error, InvalidArgumentError, ResourceExhaustedError
+from cairn.errors import Error, ResourceExhaustedError
 
 log = logging.getLogger("cairn.manager")
-
-def check_limit(limit: Any) -> None:
-    if limit is None:
-        return
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)):
-        raise InvalidArgumentError(
-            f"memory_limit must be bytes (int) or a fraction of /dev/shm (float), got {limit!r}")
-    if isinstance(limit, int) and limit <= 0:
-        raise InvalidArgumentError(f"memory_limit must be > 0 bytes, got {limit}")
-    if isinstance(limit, float) and not 0.0 < limit <= 1.0:
-        raise InvalidArgumentError(
-            f"memory_limit as a fraction of /dev/shm must be in (0, 1], got {limit}")
-
 
 def reclaim_orphans(grace: float) -> None:
     """Deletes the node's orphaned memory tiers; a failure only warns."""
@@ -73,34 +60,23 @@ def raise_budget_error(e: BaseException) -> None:
 class Budget:
     """The memory budget of one manager (see the module docstring)."""
 
-    def __init__(self, mgr: Any, limit: int | float | None) -> None:
+    def __init__(self, mgr: Any, limit: int | float | None, limit_bytes: int | None) -> None:
+        """`limit` as the user gave it (checked and converted to `limit_bytes` by
+        _ext.memory_limit_bytes)."""
         self.mgr = mgr
         self.shm_root = os.path.dirname(mgr.shm_dir)
-        self.limit: int | None = None
+        self.limit = limit_bytes
         self.limit_arg = limit
         if limit is not None:
-            if isinstance(limit, float):
-                total = int(_ext.shared_memory_room(self.shm_root)["total"])
-                self.limit = int(limit * total)
-            else:
-                self.limit = int(limit)
             from cairn._replication import node_id
             self.host = node_id()
 
     def check(self, slot: int, used: int) -> None:
-        path = os.path.join(self.mgr.shm_dir, f"slot{slot}", "data", f"r{self.mgr.rank}.bin")
-        grow = int(_ext.slot_growth(path, used))
+        grow = int(_ext.slot_growth(self.mgr._tiers.slot_data_path(slot, self.mgr.rank), used))
         if self.limit is None:
             _ext.check_shared_memory_room(self.shm_root, grow)
             return
         mgr = self.mgr
-        mine: dict[str, Any] = {"host": self.host, "grow": grow}
-        if mgr._node_leader:
-            mine["footprint"] = int(_ext.allocated_bytes(mgr.shm_dir))
-            mine["room"] = int(_ext.shared_memory_room(self.shm_root)["usable"])
-            mine["limit"] = self.limit
-        everyone = mgr._gather(mine)
-        _ext.check_memory_budget(
-            [(o["host"], o["grow"], "footprint" in o, o.get("footprint", 0), o.get("room", 0),
-              o.get("limit", 0)) for o in everyone],
-            repr(self.limit_arg))
+        mine = _ext.memory_budget_report(self.host, grow, mgr._node_leader, mgr.shm_dir,
+                                         self.limit)
+        _ext.check_memory_budget(mgr._gather(mine), repr(self.limit_arg))

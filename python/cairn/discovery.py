@@ -6,7 +6,6 @@ import os
 import warnings
 
 from cairn import _ext, _pools
-from cairn.errors import NotFoundError
 
 __all__ = ["latest_valid", "verify", "list_checkpoints", "copy_checkpoint"]
 
@@ -16,8 +15,6 @@ def _root_uri(path: str | os.PathLike) -> str:
     if not isinstance(s, str) or not s:
         raise ValueError(f"invalid path {path!r}")
     return s
-
-
 
 
 def latest_valid(root: str | os.PathLike) -> str | None:
@@ -31,21 +28,15 @@ def latest_valid(root: str | os.PathLike) -> str | None:
     N and count as newer than any other name; others order by the manifest's
     creation time. A ``root`` that does not exist (yet) has none: None.
     """
-    uri = _root_uri(root)
-    try:
-        entries = _ext.list_checkpoints(uri)  # newest last, LatestValid's order
-    except NotFoundError:
-        return None
-    for e in reversed(entries):
-        if e["committed"]:
-            return uri.rstrip("/") + "/" + e["name"]
-        if not e["status"].startswith("NotFound"):
-            warnings.warn(
-                f"cairn: skipping {uri.rstrip('/')}/{e['name']}: {e['status']}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    return None
+    uri, skipped = _ext.latest_valid_uri(_root_uri(root))
+    warn_skipped(skipped, stacklevel=3)
+    return uri
+
+
+def warn_skipped(skipped: list[tuple[str, str]], stacklevel: int = 3) -> None:
+    """A RuntimeWarning for each damaged checkpoint (uri, status) discovery skipped."""
+    for uri, status in skipped:
+        warnings.warn(f"cairn: skipping {uri}: {status}", RuntimeWarning, stacklevel=stacklevel)
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[dict]:

@@ -34,16 +34,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
-from cairn import _ext
-from cairn.discovery import latest_valid
-from cairn.errors import Error, NotFoundError
-from cairn._dcp_metadata import manifest_extra
+from cairn import _ext, _pools
+from cairn.discovery import warn_skipped
+from cairn.errors import Error
 
 _TIERS = ("memory", "local", "durable")
 
@@ -52,66 +49,15 @@ class DrillError(Error):
     """The drill found nothing to restore or could not restore what it found."""
 
 
-def _join(uri: str, name: str) -> str:
-    return uri.rstrip("/") + "/" + name
-
-
-def _newest_memory_slot(root: str) -> str | None:
-    from cairn.manager import memory_tier_name  # imports torch
-
-    run_id = None
-    try:
-        st = _ext.open_storage(root, create=False)
-        run_id = bytes(st.read_file("cairn.run")).decode().strip() or None
-    except (FileNotFoundError, Error):
-        pass
-    tier = f"shm://{memory_tier_name(root)}"
-    try:
-        entries = _ext.list_checkpoints(tier)
-    except NotFoundError:
-        return None
-    best: tuple[int, str] | None = None
-    for e in entries:
-        if not e["committed"]:
-            continue
-        uri = _join(tier, e["name"])
-        try:
-            extra = manifest_extra(_ext.CheckpointReader(uri).manifest())
-        except Error:
-            continue
-        manager = extra.get("manager", {})
-        step = manager.get("step")
-        if not isinstance(step, int) or (run_id is not None and manager.get("run_id") != run_id):
-            continue
-        if best is None or step > best[0]:
-            best = (step, uri)
-    return None if best is None else best[1]
-
-
 def pick_checkpoint(root: str, tier: str | None = None, local: str | None = None
                     ) -> tuple[str, str]:
-    """(uri, tier) of the checkpoint a restart would load; raises DrillError when
-    there is none."""
-    root = os.fspath(root)
-    if tier is None:
-        if _ext.has_manifest(root):
-            uri = root
-        else:
-            uri = latest_valid(root)
-        source = "memory" if (uri or "").startswith("shm://") else "durable"
-    elif tier == "durable":
-        uri, source = latest_valid(root), tier
-    elif tier == "local":
-        if not local:
-            raise DrillError("--tier local needs --local DIR (the manager's local tier)")
-        uri, source = latest_valid(local), tier
-    elif tier == "memory":
-        uri, source = _newest_memory_slot(root), tier
-    else:
-        raise DrillError(f"unknown tier {tier!r} (one of {', '.join(_TIERS)})")
+    """(uri, tier) of the checkpoint a restart would load (the engine's
+    PickDrillCheckpoint, cairn/tiers.h); raises DrillError when there is none."""
+    uri, source, why, skipped = _ext.pick_drill_checkpoint(os.fspath(root), tier or "",
+                                                           local or "")
+    warn_skipped(skipped)
     if uri is None:
-        where = local if tier == "local" else root
-        raise DrillError(f"no committed checkpoint in the {source} tier of {where}")
+        raise DrillError(why)
     return uri, source
 
 
@@ -200,58 +146,13 @@ def drill(root: str, world_size: int = 1, tier: str | None = None, local: str | 
     slowest rank), verify_s, total_s. Raises DrillError naming what failed."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    t0 = time.perf_counter()
-    uri, source = pick_checkpoint(root, tier, local)
-    saved_world = _ext.CheckpointReader(uri).manifest().world_size
-    with tempfile.TemporaryDirectory(prefix="cairn-drill-") as tmp:
-        store = os.path.join(tmp, "store")
-        procs, outs = [], []
-        for rank in range(world_size):
-            out = os.path.join(tmp, f"rank{rank}.json")
-            outs.append(out)
-            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "cairn.drill", "--_worker", uri, str(rank),
-                 str(world_size), store, out], env=env))
-        deadline = time.monotonic() + timeout
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(max(1.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                for q in procs:
-                    q.wait()
-                raise DrillError(f"{uri}: the drill did not finish within {timeout:.0f}s")
-        results = []
-        for rank, (out, code) in enumerate(zip(outs, codes)):
-            if not os.path.exists(out):
-                raise DrillError(f"{uri}: drill rank {rank} died (exit code {code})")
-            with open(out) as f:
-                results.append(json.load(f))
-    failed = [r for r in results if not r["ok"]]
-    if failed:
-        raise DrillError(f"cannot restore {uri}: rank {failed[0]['rank']}: "
-                         f"{failed[0]['error']}")
-    load_done = time.perf_counter()
-    verify_s = None
-    if verify:
-        from cairn.discovery import verify as verify_all
-
-        v0 = time.perf_counter()
-        try:
-            verify_all(uri)
-        except Error as e:
-            raise DrillError(f"cannot restore {uri}: {e}") from e
-        verify_s = time.perf_counter() - v0
-    return {
-        "checkpoint": uri, "tier": source, "world_size": world_size,
-        "saved_world_size": saved_world, "tensors": results[0]["tensors"],
-        "bytes": results[0]["bytes"], "load_s": max(r["load_s"] for r in results),
-        "verify_s": verify_s, "total_s": time.perf_counter() - t0,
-        "processes_s": load_done - t0,
-    }
+    r = _ext.run_drill(os.fspath(root), tier or "", local or "", sys.executable, world_size,
+                       timeout, verify, _pools.io_pool())  # the orchestration is C++
+    warn_skipped(r.pop("skipped"))
+    failure = r.pop("failure")
+    if failure:
+        raise DrillError(failure)
+    return r
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,7 +52,6 @@ Every collective runs on a dedicated gloo group with a timeout; ``wait()`` has o
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import shutil
@@ -78,7 +77,7 @@ from torch.futures import Future
 
 from cairn import _chaos, _ext, _memory_budget, _pools, _replication
 from cairn._staging import SlotStager, byte_source, staged_nbytes
-from cairn._dcp_metadata import Location, manifest_extra, manifest_from_metadata
+from cairn._dcp_metadata import Location, manifest_from_metadata
 from cairn.dcp import Reader, value_bytes
 from cairn.errors import CorruptionError, Error, InvalidArgumentError, TimeoutError
 from cairn.state import RNGState
@@ -86,17 +85,6 @@ from cairn.state import RNGState
 __all__ = ["CheckpointManager", "memory_tier_name"]
 
 log = logging.getLogger(__name__)
-
-_RUN_ID_FILE = "cairn.run"
-
-
-def _step_dir(step: int) -> str:
-    return f"step_{step:010d}"
-
-
-def _join(uri: str, name: str) -> str:
-    return uri.rstrip("/") + "/" + name
-
 
 def _state_tensors(obj: Any) -> list[torch.Tensor]:
     """The tensors of a state (Statefuls through their state_dict())."""
@@ -118,10 +106,7 @@ def memory_tier_name(root: str) -> str:
     """The shm:// name of the memory tier of the run checkpointing to `root` on this
     node: derived from the root's real path (a URI root such as s3://: from the URI),
     so a restarted process finds it."""
-    local = _ext.local_dir_of_uri(root)
-    key = os.path.realpath(local) if local else root.rstrip("/")
-    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return f"cairn-{tag}"
+    return _ext.memory_tier_name(root)
 
 
 class _StagingWriter(StorageWriter):
@@ -414,33 +399,17 @@ class CheckpointManager:
                  memory_limit: int | float | None = None,
                  orphan_grace: float = float(_ext.DEFAULT_ORPHAN_GRACE_S),
                  replicas: int = 0):
-        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
-            raise InvalidArgumentError(f"replicas must be an int >= 0, got {replicas!r}")
-        if memory_slots is None:
-            memory_slots = 2 if replicas and memory else 1
-        for name, v in (("keep", 1 if keep is None else keep), ("memory_slots", memory_slots),
-                        ("durable_every", durable_every)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
-        if replicas and memory and memory_slots < 2:
-            # With one slot the save of step s overwrites step s-1 in every node's
-            # memory tier before s is replicated: a node lost in that window leaves no
-            # step whole in cluster memory, whatever the peers keep.
-            raise InvalidArgumentError(
-                f"replicas={replicas} needs memory_slots >= 2, got {memory_slots}: with one "
-                "slot a node lost while a save replicates leaves no step in cluster memory "
-                "(the previous one is overwritten on every node)")
-        if keep_local is not None and (not isinstance(keep_local, int) or keep_local < 1):
-            raise InvalidArgumentError(f"keep_local must be an int >= 1, got {keep_local!r}")
-        if not timeout or timeout <= 0:
-            raise InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout!r}")
-        _memory_budget.check_limit(memory_limit)
-        self.root = self._tier_uri(root, "root")
-        self.local = None if local is None else self._tier_uri(local, "local")
-        self.memory = bool(memory)
-        self._check_tiers_apart()
+        memory_slots = _ext.check_manager_options(replicas, bool(memory), keep, memory_slots,
+                                                  durable_every, keep_local, timeout)
+        limit_bytes = _ext.memory_limit_bytes(memory_limit)
         self.keep = keep
         self.keep_local = keep_local or keep or 3
+        self.memory = bool(memory)
+        # The tiers' URIs (checked apart), discovery, slot choice, retention (C++).
+        self._tiers = _ext.TierSet(os.fspath(root), None if local is None else os.fspath(local),
+                                   memory=self.memory, num_slots=memory_slots, keep=keep,
+                                   keep_local=self.keep_local)
+        self.root, self.local = self._tiers.root, self._tiers.local
         self.durable_every = durable_every
         self.timeout = float(timeout)
         self.direct_io = direct_io
@@ -483,12 +452,14 @@ class CheckpointManager:
         self._node_leader = self.rank == hosts.index(hosts[self.rank])
         _chaos.arm()
 
-        for uri in filter(None, (self.root, self.local)):
-            if self.is_coordinator:
-                _ext.open_storage(uri, create=True)
-        self.run_id = self._agree_run_id()
-        self.shm_name = memory_tier_name(self.root)
-        self.shm_dir = _ext.shm_directory(self.shm_name)
+        # The run's identity, in the durable root (cairn.run), so that a memory-tier
+        # checkpoint left by another run on the same path is never restored.
+        if self.is_coordinator:
+            self._tiers.create_tiers()
+        self.run_id = self._agree(self._tiers.read_or_create_run_id() if self.is_coordinator
+                                  else None)
+        self._tiers.run_id = self.run_id
+        self.shm_name, self.shm_dir = self._tiers.shm_name, self._tiers.shm_dir
         self.num_slots = memory_slots
         # Engine readers of memory-tier slots that candidates() opened, by uri,
         # reused by the restore() that asked (and dropped when it returns).
@@ -499,7 +470,7 @@ class CheckpointManager:
                                            run_id=self.run_id, rank=self.rank)
         if self._node_leader:
             _memory_budget.reclaim_orphans(float(orphan_grace))
-        self._budget = _memory_budget.Budget(self, memory_limit)
+        self._budget = _memory_budget.Budget(self, memory_limit, limit_bytes)
         # Replicas of the memory tier on peer nodes, and restore from them
         # (cairn/_replication.py).
         self._repl = _replication.Replication(self, replicas if self.memory else 0, hosts)
@@ -510,7 +481,7 @@ class CheckpointManager:
         self._stager_obj: SlotStager | None = None
         # Tests route CPU tensors through the device staging path (its CPU fallback).
         self._device_path_for_tests = False
-        self._next_slot = self._agree(self._oldest_slot() if self.is_coordinator else 0)
+        self._next_slot = self._agree(self._tiers.oldest_slot() if self.is_coordinator else 0)
         self._background.start()
 
     # ---- small helpers -----------------------------------------------------------
@@ -532,41 +503,8 @@ class CheckpointManager:
         self._stager_obj.device_path_for_tests = self._device_path_for_tests
         return self._stager_obj
 
-    @staticmethod
-    def _tier_uri(path: str | os.PathLike, what: str) -> str:
-        s = os.fspath(path)
-        if not isinstance(s, str) or not s:
-            raise InvalidArgumentError(f"invalid {what} directory {path!r}")
-        schemes = ("file://", "fault://", "s3://") if what == "root" else ("file://", "fault://")
-        if "://" in s and not s.startswith(schemes):
-            raise InvalidArgumentError(f"unsupported {what} URI: {s}")
-        if s.startswith("s3://"):
-            return s.rstrip("/")
-        return s if "://" in s else os.path.abspath(s)
-
-    def _check_tiers_apart(self) -> None:
-        """Every tier must be a directory of its own: a tier that is another one
-        (through a symlink, say) or lies inside it would have its checkpoints
-        rewritten or pruned by the other's saves. Same check as cairn.copy_checkpoint."""
-        dirs = [(n, self._local_path(u)) for n, u in (("durable", self.root), ("local", self.local))
-                if u is not None and not u.startswith(("fault://", "s3://"))]
-        if self.memory:
-            dirs.append(("memory", _ext.shm_directory(memory_tier_name(self.root))))
-        for i, (na, a) in enumerate(dirs):
-            for nb, b in dirs[i + 1:]:
-                rel = _ext.relate_local_dirs(a, b)
-                if rel != "disjoint":
-                    how = "is the same directory as" if rel == "same" else "overlaps"
-                    raise InvalidArgumentError(
-                        f"the {na} tier {a} {how} the {nb} tier {b}: every tier needs a "
-                        "directory of its own")
-
-    @staticmethod
-    def _local_path(uri: str) -> str:
-        return _ext.local_dir_of_uri(uri) or uri
-
     def _slot_uri(self, slot: int) -> str:
-        return f"shm://{self.shm_name}/slot{slot}"
+        return self._tiers.slot_uri(slot)
 
     def _agree(self, value: Any) -> Any:
         """The coordinator's `value`, on every rank."""
@@ -583,48 +521,9 @@ class CheckpointManager:
         dist.all_gather_object(out, value, group=self.pg)
         return out
 
-    def _agree_run_id(self) -> str:
-        """The run's identity, stored in the durable root, so that a memory-tier
-        checkpoint left by another run on the same path is never restored."""
-        rid = None
-        if self.is_coordinator:
-            st = _ext.open_storage(self.root, create=True)
-            try:
-                rid = bytes(st.read_file(_RUN_ID_FILE)).decode().strip() or None
-            except (FileNotFoundError, Error):
-                rid = None
-            if rid is None:
-                rid = uuid.uuid4().hex
-                st.write_file(_RUN_ID_FILE, rid.encode(), sync=True)
-        return self._agree(rid)
-
-    def _memory_checkpoints(self, keep_open: bool = False) -> dict[int, tuple[int, str]]:
-        """{slot: (step, uri)} of this node's committed memory-tier checkpoints of
-        this run. With keep_open, the engine readers opened on the way are kept in
-        self._open_readers (by uri) for restore() to reuse."""
-        out = {}
-        for slot in range(self.num_slots):
-            uri = self._slot_uri(slot)
-            if not _ext.has_manifest(uri):
-                continue
-            try:
-                engine = _ext.CheckpointReader(uri)
-                manifest = engine.manifest()
-            except Error:
-                continue
-            extra = manifest_extra(manifest).get("manager", {})
-            if extra.get("run_id") == self.run_id and isinstance(extra.get("step"), int):
-                out[slot] = (extra["step"], uri)
-                if keep_open:
-                    self._open_readers[uri] = engine
-        return out
-
-    def _oldest_slot(self) -> int:
-        held = self._memory_checkpoints()
-        for slot in range(self.num_slots):
-            if slot not in held:
-                return slot
-        return min(held, key=lambda s: held[s][0])
+    def _memory_checkpoints(self) -> dict[int, tuple[int, str]]:
+        """{slot: (step, uri)} of this node's committed memory-tier checkpoints of this run."""
+        return self._tiers.memory_checkpoints()
 
     # ---- save ----------------------------------------------------------------------
 
@@ -786,15 +685,12 @@ class CheckpointManager:
 
     def _persist_slower_tiers(self, rec: _Save) -> None:
         """d. the local tier, then the durable one."""
-        for tier, keep in ((self.local, self.keep_local), (self.root, self.keep)):
-            if tier is None:
-                continue
-            self._persist_to(rec, tier, keep, rec.everyone)
-            rec.tiers_done.append("local" if tier == self.local else "durable")
+        for tier in self._tiers.slower_tiers():
+            self._persist_to(rec, tier, rec.everyone)
+            rec.tiers_done.append(tier)
 
-    def _persist_to(self, rec: _Save, tier: str, keep: int | None,
-                    everyone: list[dict]) -> None:
-        uri = _join(tier, _step_dir(rec.step))
+    def _persist_to(self, rec: _Save, tier: str, everyone: list[dict]) -> None:
+        uri = self._tiers.step_uri(tier, rec.step)
         err, size = None, 0
         try:
             _ext.uncommit(uri)
@@ -815,7 +711,7 @@ class CheckpointManager:
             body = self._body(rec, sized, size_key="tier_size")
             _chaos.point("commit")  # every data file durable, no manifest yet
             _ext.commit_manifest(uri, body)
-            self._prune(tier, keep)
+            self._prune(tier)
 
     def _body(self, rec: _Save, everyone: list[dict], size_key: str) -> _ext.Manifest:
         """The manifest of this save, with the per-rank file sizes of one tier: every
@@ -838,18 +734,13 @@ class CheckpointManager:
                  "manager": {"step": rec.step, "run_id": self.run_id}}
         return manifest_from_metadata(w.metadata, results, int(_ext.DEFAULT_BLOCK_SIZE), extra)
 
-    def _prune(self, tier: str, keep: int | None) -> None:
-        """Keeps the newest `keep` committed checkpoints of `tier` (all with None);
-        removes older ones (manifest first, so a crash mid-delete leaves a partial,
-        never a broken valid one) and every partial leftover of a crashed save (the
-        only save in flight is the one just committed). A failure here loses nothing:
-        it is logged."""
-        try:
-            _ext.prune_checkpoints(tier, 2**63 if keep is None else keep,
-                                   remove_newer_partials=True,
-                                   after_uncommit=lambda name: _chaos.point("prune"))
-        except Error as e:
-            log.warning("cairn: pruning %s: %s", tier, e)
+    def _prune(self, tier: str) -> None:
+        """Retention of `tier` ("local" or "durable", TierSet::Prune: its newest
+        ``keep_local``/``keep`` committed checkpoints stay, older ones and partial
+        leftovers go, manifest first). A failure here loses nothing: it is logged."""
+        err = self._tiers.prune(tier)  # with the chaos harness's "prune" point
+        if err:
+            log.warning("cairn: pruning %s: %s", self._tiers.tier_uri(tier), err)
 
     # ---- waiting and closing ---------------------------------------------------------
 
@@ -969,24 +860,12 @@ class CheckpointManager:
         out = []
         if self.memory and self._repl.multi:
             out.extend(self._repl.candidates())  # collective: memory and peer tiers
-        elif self.memory:
-            for step, uri in self._memory_checkpoints(keep_open=True).values():
-                out.append((step, "memory", uri))
-        for name, tier in (("local", self.local), ("durable", self.root)):
-            if tier is None:
-                continue
-            try:
-                entries = _ext.list_checkpoints(tier)
-            except FileNotFoundError:
-                continue
-            for e in entries:
-                if e["committed"] and e["step"] is not None:
-                    out.append((e["step"], name, _join(tier, e["name"])))
-                elif e["step"] is not None and not e["status"].startswith("NotFound"):
-                    # Damaged or unusable (e.g. a FIFO as its manifest): skipped,
-                    # restore moves on to the next checkpoint.
-                    log.warning("cairn: skipping %s: %s", _join(tier, e["name"]), e["status"])
-        return out
+        # The memory tier's engine readers opened on the way are kept for restore().
+        found, skipped, readers = self._tiers.candidates(self.memory and not self._repl.multi)
+        for uri, status in skipped:  # damaged or unusable: restore moves on
+            log.warning("cairn: skipping %s: %s", uri, status)
+        self._open_readers.update(readers)
+        return out + found
 
     def restore(self, state: dict[str, Any]) -> int | None:
         """Loads the newest step that every rank can load into `state`, from the
@@ -1002,23 +881,19 @@ class CheckpointManager:
             self._open_readers.clear()
 
     def _restore(self, state: dict[str, Any]) -> int | None:
-        order = {"memory": 0, "peer": 1, "local": 2, "durable": 3}
         mine = self.candidates()
-        everyone = self._gather(sorted({(s, t) for s, t, _ in mine}))
-        common = set.intersection(*({s for s, _ in c} for c in everyone)) if everyone else set()
-        if not common:
+        # The steps every rank holds, newest first, and each rank's fastest source
+        # of one not failed yet (C++).
+        plan = _ext.RestorePlanner(mine, self._gather(sorted({(s, t) for s, t, _ in mine})))
+        if not plan.steps:
             self._plan_ahead(state)
             self.prepare(state)
             return None
-        bad: set[tuple[int, str]] = set()
-        failures = []
-        for step in sorted(common, reverse=True):
+        for step in plan.steps:
             while True:
-                options = sorted(((order[t], t, u) for s, t, u in mine
-                                  if s == step and (s, t) not in bad))
-                choice = options[0] if options else None
+                choice = plan.next(step)  # (tier, uri) or None
                 ok, reader, err = choice is not None, None, None
-                uri = None if choice is None else choice[2]
+                uri = None if choice is None else choice[1]
                 if self._repl.multi and any(self._gather(uri == "cluster")):
                     try:  # collective: every node assembles the step from its peers
                         view = self._repl.materialize(step)
@@ -1033,13 +908,12 @@ class CheckpointManager:
                                   else Reader._of_engine_reader(uri, engine))
                     except BaseException as e:  # noqa: BLE001 - agreed on below
                         ok, err = False, e
-                verdicts = self._gather((ok, None if choice is None else choice[1]))
+                verdicts = self._gather((ok, None if choice is None else choice[0]))
                 if not all(v[0] for v in verdicts):
                     if choice is None:
                         break  # some rank has no tier left for this step
                     if not ok:
-                        bad.add((step, choice[1]))
-                        failures.append(f"step {step} ({choice[1]}): {err}")
+                        plan.fail(step, choice[0], str(err))
                     if any(v[1] is None for v in verdicts):
                         break
                     continue
@@ -1052,16 +926,15 @@ class CheckpointManager:
                 if self._repl.multi:
                     self._repl.drop_view()
                 if all(verdicts):
-                    log.info("cairn: restored step %d from the %s tier", step, choice[1])
-                    self.restored = (step, choice[1])
-                    if choice[1] == "memory":
+                    log.info("cairn: restored step %d from the %s tier", step, choice[0])
+                    self.restored = (step, choice[0])
+                    if choice[0] == "memory":
                         _memory_budget.mark_restored(self._lease)
                     self._plan_ahead(state)
                     self.prepare(state, nbytes=self._restored_bytes(reader))
                     return step
-                bad.add((step, choice[1]))
-                failures.append(f"step {step} ({choice[1]}): {err or 'failed on another rank'}")
-        raise CorruptionError("no checkpoint could be restored: " + "; ".join(failures))
+                plan.fail(step, choice[0], str(err or "failed on another rank"))
+        raise CorruptionError("no checkpoint could be restored: " + plan.failures())
 
     def _restored_bytes(self, reader: Reader) -> int | None:
         """This rank's data-file size in the checkpoint just restored (what its next

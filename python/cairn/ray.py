@@ -76,7 +76,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from cairn import _ext
 from cairn.errors import Error, InvalidArgumentError
 from cairn.manager import CheckpointManager
 
@@ -186,27 +185,9 @@ def _settle_untracked(mgr: RayCheckpointManager,
     """Of the step_<N> directories below the root that Ray does not track: the one
     of step `restored`, if committed, is to be adopted; the others are removed,
     manifest first. Returns (name to adopt or None, names removed)."""
-    removed: list[str] = []
-    adopt = None
-    try:
-        entries = _ext.list_checkpoints(mgr.root)
-    except FileNotFoundError:
-        return adopt, removed
-    storage = None
-    for e in entries:
-        if e["step"] is None or e["name"] in mgr.ray_tracked:
-            continue
-        if restored is not None and e["step"] == restored and e["committed"]:
-            adopt = e["name"]
-            continue
-        uri = mgr.root.rstrip("/") + "/" + e["name"]
-        try:
-            _ext.uncommit(uri)
-            storage = storage or _ext.open_storage(mgr.root, create=False)
-            storage.delete_dir(e["name"])
-            removed.append(e["name"])
-        except Error as err:
-            log.warning("cairn.ray: removing untracked checkpoint %s: %s", uri, err)
+    adopt, removed, failed = mgr._tiers.settle_untracked(sorted(mgr.ray_tracked), restored)
+    for uri, err in failed:
+        log.warning("cairn.ray: removing untracked checkpoint %s: %s", uri, err)
     if removed:
         log.info("cairn.ray: removed %d checkpoint(s) Ray does not track: %s",
                  len(removed), ", ".join(removed))

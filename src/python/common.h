@@ -7,10 +7,15 @@
 
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "cairn/checkpoint.h"
+#include "cairn/read_plan.h"
 #include "cairn/status.h"
 #include "cairn/storage.h"
 
@@ -19,6 +24,54 @@ namespace cairn::python {
 // A Storage owned by Python (_ext.Storage, from _ext.open_storage).
 struct PyStorage {
   std::unique_ptr<Storage> s;
+};
+
+// A CheckpointReader together with the Storage it reads from
+// (_ext.CheckpointReader): opened from a URI, or handed over by the engine
+// (the memory-tier readers TierSet opened while listing candidates).
+class PyCheckpointReader {
+ public:
+  // Opens the committed checkpoint at `uri`: manifest validated, data file
+  // sizes checked (raises on failure).
+  explicit PyCheckpointReader(const std::string& uri);
+  PyCheckpointReader(std::string uri, std::unique_ptr<Storage> storage,
+                     std::unique_ptr<CheckpointReader> reader);
+
+  const Manifest& manifest() const { return reader_->manifest(); }
+
+  // (kind, index, chunk, dest address, nbytes, byte offset in the item);
+  // kind 0 = tensor chunk, 1 = bytes item.
+  using ReadTuple = std::tuple<int, uint32_t, uint32_t, uintptr_t, uint64_t, uint64_t>;
+  void Read(const std::vector<ReadTuple>& requests, ThreadPool& pool);
+
+  // boxes: (fqn, chunk offsets, offsets in the chunk, lengths, dest address,
+  // nbytes); values: names of bytes items. Reads both (ReadBoxes); returns
+  // each value's bytes, in order.
+  using BoxTuple = std::tuple<std::string, std::vector<uint64_t>, std::vector<int64_t>,
+                              std::vector<int64_t>, uintptr_t, uint64_t>;
+  nanobind::list ReadItems(const std::vector<BoxTuple>& boxes,
+                           const std::vector<std::string>& values, ThreadPool& pool);
+
+  // PlanInPlace's plan: the engine reads, with the requests of non-tensor
+  // values (positions `values`) still to be pointed at buffers of their own.
+  struct InPlacePlan {
+    std::vector<ReadRequest> requests;
+    std::vector<size_t> values;
+  };
+  // targets: (fqn, dtype name or None for a non-tensor value, shape, address,
+  // nbytes). The plan (PlanInPlaceRead), or None.
+  using TargetTuple = std::tuple<std::string, std::optional<std::string>, std::vector<uint64_t>,
+                                 uintptr_t, uint64_t>;
+  std::optional<InPlacePlan> PlanInPlace(const std::vector<TargetTuple>& targets);
+  // Reads the plan, verified, in parallel; returns the bytes of each value
+  // target, in target order.
+  nanobind::list LoadInPlace(const InPlacePlan& plan, ThreadPool& pool);
+
+ private:
+  std::string uri_;
+  std::unique_ptr<Storage> storage_;
+  std::unique_ptr<CheckpointReader> reader_;
+  std::unique_ptr<ItemIndex> index_;  // over reader_'s manifest
 };
 
 // Raises the Python exception matching `s` (see cairn/errors.py). `s` must
@@ -60,6 +113,7 @@ void RegisterCheckpoint(nanobind::module_& m);
 void RegisterStaging(nanobind::module_& m);
 void RegisterCache(nanobind::module_& m);
 void RegisterTier(nanobind::module_& m);
+void RegisterTiers(nanobind::module_& m);
 void RegisterStock(nanobind::module_& m);
 void RegisterReplication(nanobind::module_& m);
 void RegisterValues(nanobind::module_& m);

@@ -29,6 +29,7 @@ NB_MODULE(_ext, m) {
   cairn::python::RegisterStaging(m);
   cairn::python::RegisterCache(m);
   cairn::python::RegisterTier(m);
+  cairn::python::RegisterTiers(m);
   cairn::python::RegisterStock(m);
   cairn::python::RegisterReplication(m);
   cairn::python::RegisterValues(m);

@@ -23,6 +23,7 @@
 namespace nb = nanobind;
 
 namespace cairn::python {
+
 namespace {
 
 // OpenStorage of `uri`, which must exist: NotFound says "no such <what>: <uri>".
@@ -34,14 +35,6 @@ Result<std::unique_ptr<Storage>> OpenExisting(const std::string& uri, const char
   return storage;
 }
 
-// PyCheckpointReader::PlanInPlace's plan: the engine reads, with the
-// requests of non-tensor values (positions `values`) still to be pointed at
-// buffers of their own.
-struct InPlacePlan {
-  std::vector<ReadRequest> requests;
-  std::vector<size_t> values;
-};
-
 // A new bytes object of r->size bytes, which `r` then reads into (it is
 // filled before anyone else sees it).
 nb::object NewBytesFor(ReadRequest* r) {
@@ -51,120 +44,107 @@ nb::object NewBytesFor(ReadRequest* r) {
   return b;
 }
 
-// A CheckpointReader together with the Storage it reads from.
-class PyCheckpointReader {
- public:
-  explicit PyCheckpointReader(const std::string& uri) : uri_(uri) {
-    WithoutGil([&]() -> Status {
-      CAIRN_ASSIGN_OR_RETURN(storage_, OpenExisting(uri, "checkpoint"));
-      CAIRN_ASSIGN_OR_RETURN(reader_, CheckpointReader::Open(storage_.get(), ""));
-      index_ = std::make_unique<ItemIndex>(reader_->manifest());
-      return reader_->CheckFiles();
-    });
+}  // namespace
+
+PyCheckpointReader::PyCheckpointReader(const std::string& uri) : uri_(uri) {
+  WithoutGil([&]() -> Status {
+    CAIRN_ASSIGN_OR_RETURN(storage_, OpenExisting(uri, "checkpoint"));
+    CAIRN_ASSIGN_OR_RETURN(reader_, CheckpointReader::Open(storage_.get(), ""));
+    index_ = std::make_unique<ItemIndex>(reader_->manifest());
+    return reader_->CheckFiles();
+  });
+}
+
+PyCheckpointReader::PyCheckpointReader(std::string uri, std::unique_ptr<Storage> storage,
+                                       std::unique_ptr<CheckpointReader> reader)
+    : uri_(std::move(uri)),
+      storage_(std::move(storage)),
+      reader_(std::move(reader)),
+      index_(std::make_unique<ItemIndex>(reader_->manifest())) {}
+
+void PyCheckpointReader::Read(const std::vector<ReadTuple>& requests, ThreadPool& pool) {
+  std::vector<ReadRequest> reqs;
+  reqs.reserve(requests.size());
+  for (const auto& [kind, index, chunk, addr, size, offset] : requests) {
+    if (kind != 0 && kind != 1) ThrowIfError(InvalidArgumentError("bad item kind"));
+    ReadRequest r;
+    r.item.kind = kind == 0 ? ItemRef::Kind::kTensorChunk : ItemRef::Kind::kBytes;
+    r.item.index = index;
+    r.item.chunk = chunk;
+    r.dest = reinterpret_cast<void*>(addr);
+    r.size = size;
+    r.offset = offset;
+    reqs.push_back(r);
   }
+  WithoutGil([&] { return reader_->Read(reqs, &pool); });
+}
 
-  const Manifest& manifest() const { return reader_->manifest(); }
-
-  // requests: (kind, index, chunk, dest address, nbytes, byte offset in the
-  // item); kind 0 = tensor chunk, 1 = bytes item.
-  void Read(const std::vector<std::tuple<int, uint32_t, uint32_t, uintptr_t, uint64_t, uint64_t>>&
-                requests,
-            ThreadPool& pool) {
-    std::vector<ReadRequest> reqs;
-    reqs.reserve(requests.size());
-    for (const auto& [kind, index, chunk, addr, size, offset] : requests) {
-      if (kind != 0 && kind != 1) ThrowIfError(InvalidArgumentError("bad item kind"));
-      ReadRequest r;
-      r.item.kind = kind == 0 ? ItemRef::Kind::kTensorChunk : ItemRef::Kind::kBytes;
-      r.item.index = index;
-      r.item.chunk = chunk;
-      r.dest = reinterpret_cast<void*>(addr);
-      r.size = size;
-      r.offset = offset;
-      reqs.push_back(r);
+nb::list PyCheckpointReader::ReadItems(const std::vector<BoxTuple>& boxes,
+                                       const std::vector<std::string>& values, ThreadPool& pool) {
+  auto missing = [&](const std::string& fqn, const std::string& at) {
+    RaiseStatus(
+        InvalidArgumentError("'" + fqn + "'" + at + " is not in the checkpoint at " + uri_));
+  };
+  std::vector<BoxRead> bs;
+  bs.reserve(boxes.size());
+  for (const auto& [fqn, chunk_offsets, offsets, lengths, addr, nbytes] : boxes) {
+    std::optional<ItemRef> item = index_->Chunk(fqn, chunk_offsets);
+    if (!item) {
+      std::string at;
+      for (uint64_t o : chunk_offsets) at += (at.empty() ? "" : ", ") + std::to_string(o);
+      missing(fqn, " at [" + at + "]");
     }
-    WithoutGil([&] { return reader_->Read(reqs, &pool); });
+    bs.push_back(
+        {item->index, item->chunk, offsets, lengths, reinterpret_cast<void*>(addr), nbytes});
   }
-
-  // boxes: (fqn, chunk offsets, offsets in the chunk, lengths, dest address,
-  // nbytes); values: names of bytes items. Reads both (ReadBoxes); returns
-  // each value's bytes, in order.
-  nb::list ReadItems(
-      const std::vector<std::tuple<std::string, std::vector<uint64_t>, std::vector<int64_t>,
-                                   std::vector<int64_t>, uintptr_t, uint64_t>>& boxes,
-      const std::vector<std::string>& values, ThreadPool& pool) {
-    auto missing = [&](const std::string& fqn, const std::string& at) {
-      RaiseStatus(
-          InvalidArgumentError("'" + fqn + "'" + at + " is not in the checkpoint at " + uri_));
-    };
-    std::vector<BoxRead> bs;
-    bs.reserve(boxes.size());
-    for (const auto& [fqn, chunk_offsets, offsets, lengths, addr, nbytes] : boxes) {
-      std::optional<ItemRef> item = index_->Chunk(fqn, chunk_offsets);
-      if (!item) {
-        std::string at;
-        for (uint64_t o : chunk_offsets) at += (at.empty() ? "" : ", ") + std::to_string(o);
-        missing(fqn, " at [" + at + "]");
-      }
-      bs.push_back(
-          {item->index, item->chunk, offsets, lengths, reinterpret_cast<void*>(addr), nbytes});
-    }
-    std::vector<ReadRequest> reqs;
-    nb::list out;
-    for (const std::string& fqn : values) {
-      std::optional<ItemRef> item = index_->Bytes(fqn);
-      if (!item) missing(fqn, "");
-      ReadRequest r;
-      r.item = *item;
-      r.size = manifest().bytes[item->index].location.length;
-      out.append(NewBytesFor(&r));
-      reqs.push_back(r);
-    }
-    WithoutGil([&] { return ReadBoxes(reader_.get(), bs, reqs, &pool); });
-    return out;
+  std::vector<ReadRequest> reqs;
+  nb::list out;
+  for (const std::string& fqn : values) {
+    std::optional<ItemRef> item = index_->Bytes(fqn);
+    if (!item) missing(fqn, "");
+    ReadRequest r;
+    r.item = *item;
+    r.size = manifest().bytes[item->index].location.length;
+    out.append(NewBytesFor(&r));
+    reqs.push_back(r);
   }
+  WithoutGil([&] { return ReadBoxes(reader_.get(), bs, reqs, &pool); });
+  return out;
+}
 
-  // targets: (fqn, dtype name or None for a non-tensor value, shape, address,
-  // nbytes). The plan (PlanInPlaceRead), or None.
-  std::optional<InPlacePlan> PlanInPlace(
-      const std::vector<std::tuple<std::string, std::optional<std::string>, std::vector<uint64_t>,
-                                   uintptr_t, uint64_t>>& targets) {
-    std::vector<InPlaceTarget> ts;
-    ts.reserve(targets.size());
-    for (const auto& [fqn, dtype, shape, addr, nbytes] : targets) {
-      ts.push_back({fqn, dtype.has_value(), dtype.value_or(""), shape,
-                    reinterpret_cast<void*>(addr), nbytes});
-    }
-    std::optional<std::vector<ReadRequest>> reqs = PlanInPlaceRead(manifest(), *index_, ts);
-    if (!reqs) return std::nullopt;
-    InPlacePlan plan;
-    for (size_t i = 0; i < reqs->size(); ++i) {
-      if (!ts[i].tensor) {
-        plan.values.push_back(plan.requests.size());
-      } else if ((*reqs)[i].size == 0) {
-        continue;  // an empty tensor: nothing to read
-      }
-      plan.requests.push_back((*reqs)[i]);
-    }
-    return plan;
+std::optional<PyCheckpointReader::InPlacePlan> PyCheckpointReader::PlanInPlace(
+    const std::vector<TargetTuple>& targets) {
+  std::vector<InPlaceTarget> ts;
+  ts.reserve(targets.size());
+  for (const auto& [fqn, dtype, shape, addr, nbytes] : targets) {
+    ts.push_back(
+        {fqn, dtype.has_value(), dtype.value_or(""), shape, reinterpret_cast<void*>(addr), nbytes});
   }
-
-  // Reads the plan, verified, in parallel; returns the bytes of each value
-  // target, in target order.
-  nb::list LoadInPlace(const InPlacePlan& plan, ThreadPool& pool) {
-    std::vector<ReadRequest> reqs = plan.requests;
-    nb::list values;
-    for (size_t i : plan.values) values.append(NewBytesFor(&reqs[i]));
-    WithoutGil([&] { return reader_->Read(reqs, &pool); });
-    return values;
+  std::optional<std::vector<ReadRequest>> reqs = PlanInPlaceRead(manifest(), *index_, ts);
+  if (!reqs) return std::nullopt;
+  InPlacePlan plan;
+  for (size_t i = 0; i < reqs->size(); ++i) {
+    if (!ts[i].tensor) {
+      plan.values.push_back(plan.requests.size());
+    } else if ((*reqs)[i].size == 0) {
+      continue;  // an empty tensor: nothing to read
+    }
+    plan.requests.push_back((*reqs)[i]);
   }
+  return plan;
+}
 
- private:
-  std::string uri_;
-  std::unique_ptr<Storage> storage_;
-  std::unique_ptr<CheckpointReader> reader_;
-  std::unique_ptr<ItemIndex> index_;  // over reader_'s manifest
-};
+nb::list PyCheckpointReader::LoadInPlace(const InPlacePlan& plan, ThreadPool& pool) {
+  std::vector<ReadRequest> reqs = plan.requests;
+  nb::list values;
+  for (size_t i : plan.values) values.append(NewBytesFor(&reqs[i]));
+  WithoutGil([&] { return reader_->Read(reqs, &pool); });
+  return values;
+}
+
+namespace {
+
+using InPlacePlan = PyCheckpointReader::InPlacePlan;
 
 // The (address, nbytes) buffers a data-file write takes from Python.
 std::vector<BufferRef> BufferRefs(const std::vector<std::pair<uintptr_t, uint64_t>>& buffers) {

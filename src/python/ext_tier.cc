@@ -4,6 +4,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -130,6 +131,21 @@ void RegisterTier(nb::module_& m) {
       nb::arg("reports"), nb::arg("limit_arg"),
       "The budget verdict on every rank's (node, grow, leader, footprint, room, limit): raises "
       "ResourceExhaustedError naming the node whose memory tier would pass its limit or room.");
+  m.def(
+      "memory_budget_report",
+      [](const std::string& node, uint64_t grow, bool leader, const std::string& tier_dir,
+         uint64_t limit) {
+        MemoryBudgetReport r{node, grow, leader};
+        if (leader) {  // the node's figures: the tier's footprint, the free room, the limit
+          r.footprint = ValueOrThrow(AllocatedBytes(tier_dir));
+          std::string shm_root = std::filesystem::path(tier_dir).parent_path().string();
+          r.room = ValueOrThrow(GetSharedMemoryRoom(shm_root)).usable();
+          r.limit = limit;
+        }
+        return std::make_tuple(r.node, r.grow, r.leader, r.footprint, r.room, r.limit);
+      },
+      nb::arg("node"), nb::arg("grow"), nb::arg("leader"), nb::arg("tier_dir"), nb::arg("limit"),
+      "This rank's (node, grow, leader, footprint, room, limit) for check_memory_budget.");
   m.def("human_bytes", &HumanBytes, nb::arg("n"), "'512 B', '1.5 MiB', ...");
   m.def(
       "allocated_bytes", [](const std::string& dir) { return ValueOrThrow(AllocatedBytes(dir)); },
