@@ -70,7 +70,8 @@ def run(path: str, size_gb: float = 0.5, reps: int = 3, layers: int = 16) -> dic
         target = str(scratch)
     else:
         scratch = None
-        target = path.rstrip("/") + f"/cairn-bench-{uuid.uuid4().hex[:12]}"
+        prefix = f"cairn-bench-{uuid.uuid4().hex[:12]}"
+        target = path.rstrip("/") + "/" + prefix
     load_before = os.getloadavg()
     _progress(f"building a {size_gb:g} GB state")
     state = m.build_state(size_gb, layers=layers)
@@ -144,8 +145,8 @@ def run(path: str, size_gb: float = 0.5, reps: int = 3, layers: int = 16) -> dic
         if scratch is not None:
             m.remove(scratch)
         else:
-            try:  # everything below the URI, as DeleteDir("") does on every backend
-                _ext.open_storage(target, create=False).delete_dir("")
+            try:  # the scratch prefix and everything below it, on every backend
+                _ext.open_storage(path, create=False).delete_dir(prefix)
             except Exception as e:  # noqa: BLE001 - reported, not fatal
                 _progress(f"could not remove {target}: {e}")
 
