@@ -48,6 +48,14 @@ std::vector<Pair> FromWork(const std::vector<ShardWork>& v) {
   return out;
 }
 
+// drop_last as Python's truth of any object (numpy bools included), as the
+// numpy code took it.
+bool Truth(nb::handle h) {
+  int r = PyObject_IsTrue(h.ptr());
+  if (r < 0) throw nb::python_error();
+  return r == 1;
+}
+
 void CheckWorldSize(int64_t world_size) {
   if (world_size < 1) ThrowIfError(InvalidArgumentError("world_size must be >= 1"));
 }
@@ -62,25 +70,25 @@ void RegisterData(nb::module_& m) {
       "Children this thread of process `pid` forks die with it (0 disarms).");
   m.def(
       "per_rank",
-      [](int64_t n, int64_t start, int64_t world_size, bool drop_last) {
+      [](int64_t n, int64_t start, int64_t world_size, nb::handle drop_last) {
         CheckWorldSize(world_size);
-        return PerRank(n, start, world_size, drop_last);
+        return PerRank(n, start, world_size, Truth(drop_last));
       },
       nb::arg("n"), nb::arg("start"), nb::arg("world_size"), nb::arg("drop_last"),
       "Samples each rank gets in the rest of an epoch that begins at `start`.");
   m.def(
       "epoch_end",
-      [](int64_t n, int64_t start, int64_t world_size, bool drop_last) {
+      [](int64_t n, int64_t start, int64_t world_size, nb::handle drop_last) {
         CheckWorldSize(world_size);
-        return EpochEnd(n, start, world_size, drop_last);
+        return EpochEnd(n, start, world_size, Truth(drop_last));
       },
       nb::arg("n"), nb::arg("start"), nb::arg("world_size"), nb::arg("drop_last"),
       "The position reached when the epoch is complete.");
   m.def(
       "rank_positions",
-      [](int64_t n, int64_t start, int64_t world_size, int64_t rank, bool drop_last) {
+      [](int64_t n, int64_t start, int64_t world_size, int64_t rank, nb::handle drop_last) {
         CheckWorldSize(world_size);
-        return ToNumpy(RankPositions(n, start, world_size, rank, drop_last));
+        return ToNumpy(RankPositions(n, start, world_size, rank, Truth(drop_last)));
       },
       nb::arg("n"), nb::arg("start"), nb::arg("world_size"), nb::arg("rank"), nb::arg("drop_last"),
       "Global positions of `rank`'s samples, in its consumption order.");
