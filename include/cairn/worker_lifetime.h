@@ -28,11 +28,16 @@ void KillSelfWhenGone(pid_t pid);
 // one), then KillSelfWhenGone(trainer).
 void TieWorkerToTrainer(pid_t trainer);
 
-// Arms (pid > 0) or disarms (pid == 0) the fork hook: a child forked by the
-// calling thread of process `pid` while armed sets KillSelfOnParentDeath()
-// right after fork(), before any Python code runs, and dies at once if its
-// parent is already gone. Children forked by other threads are left alone (the
-// parent-death signal follows the forking *thread*).
+// Arms (pid > 0) or disarms (pid == 0) the fork hook for children that the
+// calling thread of process `pid` forks.
 void ArmForkedChildren(pid_t pid);
+
+// The fork hook, to be called in a child right after fork() (cairn.data
+// registers it with os.register_at_fork, so it runs for os.fork() only, not
+// for subprocesses): when armed and forked by the armed thread, sets
+// KillSelfOnParentDeath() and dies at once if the parent is no longer the
+// armed process. Children forked by other threads are left alone (the
+// parent-death signal follows the forking *thread*). Async-signal-safe.
+void AfterForkInChild();
 
 }  // namespace cairn

@@ -1,6 +1,6 @@
-// include/cairn/worker_lifetime.h. The fork hook runs in the child between
-// fork() and its return, where only async-signal-safe calls are allowed:
-// prctl, getppid and kill are, and the armed state is read from atomics.
+// include/cairn/worker_lifetime.h. The fork hook runs in a child right after
+// fork(), where only async-signal-safe calls are safe: prctl, getppid and kill
+// are, and the armed state is read from lock-free atomics.
 #include "cairn/worker_lifetime.h"
 
 #include <poll.h>
@@ -13,7 +13,6 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <mutex>
 #include <thread>
 
 namespace cairn {
@@ -26,13 +25,6 @@ namespace {
 
 std::atomic<pid_t> armed_pid{0};
 std::atomic<pthread_t> armed_thread{};
-
-void AfterForkInChild() {
-  pid_t pid = armed_pid.load();
-  if (pid == 0 || !pthread_equal(pthread_self(), armed_thread.load())) return;
-  KillSelfOnParentDeath();
-  if (::getppid() != pid) Die();  // the trainer died before prctl: too late for it
-}
 
 int PidfdOpen(pid_t pid) {
 #ifdef SYS_pidfd_open
@@ -75,10 +67,15 @@ void TieWorkerToTrainer(pid_t trainer) {
 }
 
 void ArmForkedChildren(pid_t pid) {
-  static std::once_flag registered;
-  std::call_once(registered, [] { ::pthread_atfork(nullptr, nullptr, AfterForkInChild); });
   armed_thread.store(pthread_self());
   armed_pid.store(pid);
+}
+
+void AfterForkInChild() {
+  pid_t pid = armed_pid.load();
+  if (pid == 0 || !pthread_equal(pthread_self(), armed_thread.load())) return;
+  KillSelfOnParentDeath();
+  if (::getppid() != pid) Die();  // the trainer died before prctl: too late for it
 }
 
 }  // namespace cairn

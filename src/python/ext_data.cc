@@ -68,6 +68,8 @@ void RegisterData(nb::module_& m) {
   m.def(
       "arm_forked_children", [](int pid) { ArmForkedChildren(pid); }, nb::arg("pid"),
       "Children this thread of process `pid` forks die with it (0 disarms).");
+  m.def("after_fork_in_child", &AfterForkInChild,
+        "The fork hook of arm_forked_children (os.register_at_fork(after_in_child=...)).");
   m.def(
       "per_rank",
       [](int64_t n, int64_t start, int64_t world_size, nb::handle drop_last) {

@@ -74,10 +74,12 @@ TEST(WorkerLifetime, WorkerOfAnAlreadyGoneTrainerDiesAtOnce) {
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << status;
 }
 
-// A child that exits with the parent-death signal it was given (0: none).
+// A child that runs the fork hook, then exits with the parent-death signal it
+// was given (0: none).
 pid_t ForkReportingDeathSignal() {
   pid_t pid = ::fork();
   if (pid == 0) {
+    AfterForkInChild();
     int sig = 0;
     ::prctl(PR_GET_PDEATHSIG, &sig, 0, 0, 0);
     ::_exit(sig);

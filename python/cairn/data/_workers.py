@@ -35,6 +35,8 @@ from typing import Any, Callable
 
 from cairn import _ext
 
+os.register_at_fork(after_in_child=_ext.after_fork_in_child)
+
 
 class arm_fork:
     """Context manager around the creation of workers by ``fork``."""
