@@ -94,8 +94,7 @@ def worker(a) -> None:
                 dur_t.append(time.perf_counter() - t0)
                 tiers.append(m3.restored)
                 m2._closed = m3._closed = True  # mgr keeps the shared memory
-                if m2._repl.lease is not None:
-                    m2._repl.lease.release()
+                m2._repl.store.release_lease()
                 m2._lease.release()
                 m3._lease.release()
             out["restore_peer_s"] = float(np.median(peer_t))

@@ -160,9 +160,7 @@ class StagingPool {
  public:
   // Creates the directory and remembers the options; maps nothing yet.
   static Result<std::unique_ptr<StagingPool>> Open(StagingPoolOptions opts);
-  ~StagingPool();  // Close(), ignoring errors
-  StagingPool(const StagingPool&) = delete;
-  StagingPool& operator=(const StagingPool&) = delete;
+  ~StagingPool();  // Close(), ignoring errors; neither copyable nor movable (mu_)
 
   // Acquires the free slot released longest ago with at least `min_bytes`
   // of capacity (growing it if needed). kResourceExhausted when every slot is
@@ -243,6 +241,10 @@ class StagingPool {
   // AcquiredMemory of save.slot, checked to hold save.bytes.
   Status SaveMemory(const StagedSave& save, std::string_view what, char** data,
                     uint64_t* size) const;
+  // CopyIn (Span = CopySpan) or CopyOut (CopyOutSpan) of acquired slot `index`.
+  template <typename Span>
+  Status CopySlot(size_t index, std::span<const Span> spans, ThreadPool* pool,
+                  uint64_t piece_bytes);
 
   StagingPoolOptions opts_;
   mutable std::mutex mu_;

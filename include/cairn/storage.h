@@ -121,6 +121,9 @@ struct DirEntry {
   std::string name;  // the last path component
   bool is_dir = false;
   uint64_t size = 0;  // bytes, for files
+
+  // List() returns its entries in this order: by name.
+  friend bool operator<(const DirEntry& a, const DirEntry& b) { return a.name < b.name; }
 };
 
 // Thread-safe: every method may be called concurrently.

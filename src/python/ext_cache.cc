@@ -96,12 +96,11 @@ void RegisterCache(nb::module_& m) {
             }
             std::vector<SourceFile> files(keys.size());
             for (size_t i = 0; i < keys.size(); ++i) files[i] = {std::move(keys[i]), sizes[i]};
-            FileCacheOptions o;
-            o.cache_dir = cache_dir;
-            o.limit_bytes = limit;
-            o.prefetch_files = prefetch_files;
-            o.prefetch_bytes = prefetch_bytes;
-            o.wait_timeout_s = timeout;
+            const FileCacheOptions o{.cache_dir = cache_dir,
+                                     .limit_bytes = limit,
+                                     .prefetch_files = prefetch_files,
+                                     .prefetch_bytes = prefetch_bytes,
+                                     .wait_timeout_s = timeout};
             auto pool = std::make_unique<ThreadPool>(threads);
             auto c = WithoutGil([&]() -> Result<std::unique_ptr<FileCache>> {
               CAIRN_ASSIGN_OR_RETURN(auto src, OpenSourceStorage(source));

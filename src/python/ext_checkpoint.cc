@@ -21,29 +21,24 @@ namespace nb = nanobind;
 namespace cairn::python {
 namespace {
 
+// OpenStorage of `uri`, which must exist: NotFound says "no such <what>: <uri>".
+Result<std::unique_ptr<Storage>> OpenExisting(const std::string& uri, const char* what) {
+  auto storage = OpenStorage(uri, /*create=*/false);
+  if (!storage.ok() && storage.status().code() == StatusCode::kNotFound) {
+    return NotFoundError(std::string("no such ") + what + ": " + uri);
+  }
+  return storage;
+}
+
 // A CheckpointReader together with the Storage it reads from.
 class PyCheckpointReader {
  public:
   explicit PyCheckpointReader(const std::string& uri) {
-    {
-      nb::gil_scoped_release release;
-      auto storage = OpenStorage(uri, /*create=*/false);
-      if (!storage.ok()) {
-        status_ = storage.status().code() == StatusCode::kNotFound
-                      ? NotFoundError("no such checkpoint: " + uri)
-                      : storage.status();
-      } else {
-        storage_ = std::move(*storage);
-        auto reader = CheckpointReader::Open(storage_.get(), "");
-        if (reader.ok()) {
-          reader_ = std::move(*reader);
-          status_ = reader_->CheckFiles();
-        } else {
-          status_ = reader.status();
-        }
-      }
-    }
-    ThrowIfError(status_);
+    WithoutGil([&]() -> Status {
+      CAIRN_ASSIGN_OR_RETURN(storage_, OpenExisting(uri, "checkpoint"));
+      CAIRN_ASSIGN_OR_RETURN(reader_, CheckpointReader::Open(storage_.get(), ""));
+      return reader_->CheckFiles();
+    });
   }
 
   const Manifest& manifest() const { return reader_->manifest(); }
@@ -70,7 +65,6 @@ class PyCheckpointReader {
   }
 
  private:
-  Status status_;
   std::unique_ptr<Storage> storage_;
   std::unique_ptr<CheckpointReader> reader_;
 };
@@ -289,38 +283,20 @@ void RegisterCheckpoint(nb::module_& m) {
   m.def(
       "verify",
       [](const std::string& uri, ThreadPool& pool) {
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          auto storage = OpenStorage(uri, /*create=*/false);
-          if (!storage.ok()) {
-            s = storage.status().code() == StatusCode::kNotFound
-                    ? NotFoundError("no such checkpoint: " + uri)
-                    : storage.status();
-          } else {
-            s = Verify(storage->get(), "", &pool);
-          }
-        }
-        ThrowIfError(s);
+        WithoutGil([&]() -> Status {
+          CAIRN_ASSIGN_OR_RETURN(auto storage, OpenExisting(uri, "checkpoint"));
+          return Verify(storage.get(), "", &pool);
+        });
       },
       nb::arg("uri"), nb::arg("pool"), "Checks every byte of the checkpoint at `uri`.");
 
   m.def(
       "latest_valid",
       [](const std::string& uri) {
-        Result<std::optional<std::string>> r = std::optional<std::string>();
-        {
-          nb::gil_scoped_release release;
-          auto storage = OpenStorage(uri, /*create=*/false);
-          if (!storage.ok()) {
-            r = storage.status().code() == StatusCode::kNotFound
-                    ? NotFoundError("no such directory: " + uri)
-                    : storage.status();
-          } else {
-            r = LatestValid(storage->get(), "");
-          }
-        }
-        return ValueOrThrow(std::move(r));
+        return WithoutGil([&]() -> Result<std::optional<std::string>> {
+          CAIRN_ASSIGN_OR_RETURN(auto storage, OpenExisting(uri, "directory"));
+          return LatestValid(storage.get(), "");
+        });
       },
       nb::arg("root"), "Name of the newest committed checkpoint below `root`, or None.");
 

@@ -66,6 +66,19 @@ struct PyStagingPool {
   }
 };
 
+// copy_in / copy_out: (address, offset in the slot, nbytes) tuples, copied in
+// parallel without the GIL.
+template <typename Span,
+          Status (StagingPool::*kCopy)(size_t, std::span<const Span>, ThreadPool*, uint64_t)>
+void CopySlot(PyStagingPool& self, size_t index, const std::vector<SpanTuple>& spans) {
+  StagingPool& p = self.Checked();
+  std::vector<Span> v;
+  v.reserve(spans.size());
+  for (auto& [address, offset, n] : spans)
+    v.push_back({reinterpret_cast<void*>(address), offset, n});
+  WithoutGil([&] { return (p.*kCopy)(index, v, self.helpers(), kDefaultCopyPieceBytes); });
+}
+
 struct ViewToken {
   PyObject* pool_obj;
   size_t index;
@@ -166,14 +179,14 @@ void RegisterStaging(nb::module_& m) {
           "__init__",
           [](PyStagingPool* self, const std::string& root_dir, uint32_t rank, size_t num_slots,
              size_t threads, bool populate, bool remove_on_close, const std::string& file_key) {
-            StagingPoolOptions o;
-            o.root_dir = root_dir;
-            o.rank = rank;
-            o.num_slots = num_slots;
-            o.populate = populate;
-            o.remove_on_close = remove_on_close;
-            o.file_key = file_key;
-            auto pool = WithoutGil([&] { return StagingPool::Open(o); });
+            auto pool = WithoutGil([&] {
+              return StagingPool::Open({.root_dir = root_dir,
+                                        .rank = rank,
+                                        .num_slots = num_slots,
+                                        .file_key = file_key,
+                                        .populate = populate,
+                                        .remove_on_close = remove_on_close});
+            });
             new (self) PyStagingPool();
             self->pool = std::move(pool);
             if (threads > 1) self->threads = std::make_unique<ThreadPool>(threads - 1);
@@ -291,32 +304,11 @@ void RegisterStaging(nb::module_& m) {
           nb::arg("index"),
           "A writable numpy uint8 array over acquired slot `index` (its whole capacity), "
           "without a copy.")
-      .def(
-          "copy_in",
-          [](PyStagingPool& self, size_t index, const std::vector<SpanTuple>& spans) {
-            StagingPool& p = self.Checked();
-            std::vector<CopySpan> v;
-            v.reserve(spans.size());
-            for (auto& [src, off, n] : spans) {
-              v.push_back(CopySpan{reinterpret_cast<const void*>(src), off, n});
-            }
-            WithoutGil([&] { return p.CopyIn(index, v, self.helpers()); });
-          },
-          nb::arg("index"), nb::arg("spans"),
-          "Copies each (src_address, dst_offset, nbytes) into slot `index` in parallel.")
-      .def(
-          "copy_out",
-          [](PyStagingPool& self, size_t index, const std::vector<SpanTuple>& spans) {
-            StagingPool& p = self.Checked();
-            std::vector<CopyOutSpan> v;
-            v.reserve(spans.size());
-            for (auto& [dst, off, n] : spans) {
-              v.push_back(CopyOutSpan{reinterpret_cast<void*>(dst), off, n});
-            }
-            WithoutGil([&] { return p.CopyOut(index, v, self.helpers()); });
-          },
-          nb::arg("index"), nb::arg("spans"),
-          "Copies each (dst_address, src_offset, nbytes) out of slot `index` in parallel.")
+      .def("copy_in", &CopySlot<CopySpan, &StagingPool::CopyIn>, nb::arg("index"), nb::arg("spans"),
+           "Copies each (src_address, dst_offset, nbytes) into slot `index` in parallel.")
+      .def("copy_out", &CopySlot<CopyOutSpan, &StagingPool::CopyOut>, nb::arg("index"),
+           nb::arg("spans"),
+           "Copies each (dst_address, src_offset, nbytes) out of slot `index` in parallel.")
       .def(
           "checksums",
           [](PyStagingPool& self, size_t index, uint64_t offset, uint64_t nbytes,

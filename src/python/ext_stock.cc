@@ -45,19 +45,17 @@ void RegisterStock(nb::module_& m) {
         reqs.reserve(requests.size());
         for (const auto& [file, offset, length, where, fqn, dtype, chunk, slice_off, slice_len,
                           dest, dest_stride] : requests) {
-          stock::TensorRequest r;
-          r.file = file;
-          r.offset = offset;
-          r.length = length;
-          r.where = where;
-          r.fqn = fqn;
-          r.dtype = dtype;
-          r.chunk_size = chunk;
-          r.slice_offset = slice_off;
-          r.slice_length = slice_len;
-          r.dest = reinterpret_cast<void*>(dest);
-          r.dest_stride = dest_stride;
-          reqs.push_back(std::move(r));
+          reqs.push_back({.file = file,
+                          .offset = offset,
+                          .length = length,
+                          .where = where,
+                          .fqn = fqn,
+                          .dtype = dtype,
+                          .chunk_size = chunk,
+                          .slice_offset = slice_off,
+                          .slice_length = slice_len,
+                          .dest = reinterpret_cast<void*>(dest),
+                          .dest_stride = dest_stride});
         }
         std::vector<bool> fallback;
         WithoutGil([&] {

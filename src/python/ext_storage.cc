@@ -147,15 +147,13 @@ void RegisterStorage(nb::module_& m) {
           "add_rule",
           [](PyFaultInjector& self, const std::string& op, int err, uint64_t nth, uint64_t count,
              const std::string& key, int64_t partial_bytes, bool crash) {
-            FaultRule r;
-            r.op = OpOrThrow(op);
-            r.error = err;
-            r.nth = nth;
-            r.count = count;
-            r.key_contains = key;
-            r.partial_bytes = partial_bytes;
-            r.crash = crash;
-            return self.inj->AddRule(std::move(r));
+            return self.inj->AddRule({.op = OpOrThrow(op),
+                                      .key_contains = key,
+                                      .nth = nth,
+                                      .count = count,
+                                      .error = err,
+                                      .partial_bytes = partial_bytes,
+                                      .crash = crash});
           },
           nb::arg("op"), nb::arg("errno") = EIO, nb::arg("nth") = 1, nb::arg("count") = 1,
           nb::arg("key") = "", nb::arg("partial_bytes") = -1, nb::arg("crash") = false,

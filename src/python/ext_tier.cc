@@ -140,14 +140,14 @@ void RegisterTier(nb::module_& m) {
           "__init__",
           [](PyLease* self, const std::string& dir, const std::string& run_root,
              const std::string& run_id, int64_t rank, const std::string& kind, double heartbeat) {
-            MemoryTierLeaseOptions o;
-            o.dir = dir;
-            o.run_root = run_root;
-            o.run_id = run_id;
-            o.rank = rank;
-            o.kind = kind;
-            o.heartbeat_seconds = heartbeat;
-            new (self) PyLease{WithoutGil([&] { return MemoryTierLease::Acquire(std::move(o)); })};
+            new (self) PyLease{WithoutGil([&] {
+              return MemoryTierLease::Acquire({.dir = dir,
+                                               .kind = kind,
+                                               .run_root = run_root,
+                                               .run_id = run_id,
+                                               .rank = rank,
+                                               .heartbeat_seconds = heartbeat});
+            })};
           },
           nb::arg("dir"), nb::arg("run_root") = "", nb::arg("run_id") = "", nb::arg("rank") = -1,
           nb::arg("kind") = "memory", nb::arg("heartbeat") = 10.0)

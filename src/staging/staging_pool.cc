@@ -141,23 +141,31 @@ Status StagingPool::AcquiredMemory(size_t index, std::string_view what, char** d
   return Status::OK();
 }
 
-Status StagingPool::CopyIn(size_t index, std::span<const CopySpan> spans, ThreadPool* pool,
-                           uint64_t piece_bytes) {
+template <typename Span>
+Status StagingPool::CopySlot(size_t index, std::span<const Span> spans, ThreadPool* pool,
+                             uint64_t piece_bytes) {
+  constexpr bool kIn = std::is_same_v<Span, CopySpan>;
   char* data;
   uint64_t cap;
-  CAIRN_RETURN_IF_ERROR(AcquiredMemory(index, "copy into", &data, &cap));
+  CAIRN_RETURN_IF_ERROR(AcquiredMemory(index, kIn ? "copy into" : "copy out of", &data, &cap));
   // The slot is the caller's until Release, so the copy runs unlocked.
-  return ParallelCopy(data, cap, spans, pool, piece_bytes)
-      .WithContext("staging into slot " + std::to_string(index));
+  if constexpr (kIn) {
+    return ParallelCopy(data, cap, spans, pool, piece_bytes)
+        .WithContext("staging into slot " + std::to_string(index));
+  } else {
+    return ParallelCopyOut(data, cap, spans, pool, piece_bytes)
+        .WithContext("copying out of staging slot " + std::to_string(index));
+  }
+}
+
+Status StagingPool::CopyIn(size_t index, std::span<const CopySpan> spans, ThreadPool* pool,
+                           uint64_t piece_bytes) {
+  return CopySlot(index, spans, pool, piece_bytes);
 }
 
 Status StagingPool::CopyOut(size_t index, std::span<const CopyOutSpan> spans, ThreadPool* pool,
                             uint64_t piece_bytes) {
-  char* data;
-  uint64_t cap;
-  CAIRN_RETURN_IF_ERROR(AcquiredMemory(index, "copy out of", &data, &cap));
-  return ParallelCopyOut(data, cap, spans, pool, piece_bytes)
-      .WithContext("copying out of staging slot " + std::to_string(index));
+  return CopySlot(index, spans, pool, piece_bytes);
 }
 
 Result<StagingSlot> StagingPool::Peek(size_t index) const {

@@ -5,6 +5,7 @@ rank fails the save on every rank."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -31,8 +32,10 @@ def _state(rank, scale, extra=False, lr=0.1):
     return s
 
 
-def _counting_dcp_saves():
-    """Counts dcp.save calls made by the manager (patched in this process)."""
+@contextlib.contextmanager
+def _counted_manager(root):
+    """A manager (keep=5) and the list of the dcp.save calls it makes (its DCP
+    planning; dcp.save is patched in this process while the manager is open)."""
     calls = []
     real = dcp.save
 
@@ -41,7 +44,11 @@ def _counting_dcp_saves():
         return real(*a, **k)
 
     manager_mod.dcp.save = counted
-    return calls, lambda: setattr(manager_mod.dcp, "save", real)
+    try:
+        with cairn.CheckpointManager(root, keep=5) as mgr:
+            yield mgr, calls
+    finally:
+        manager_mod.dcp.save = real
 
 
 def _equal(a, b):
@@ -63,9 +70,7 @@ def _restore_into(root, like, memory):
 
 
 def _repeated(rank, world, root):
-    calls, undo = _counting_dcp_saves()
-    mgr = cairn.CheckpointManager(root, keep=5)
-    try:
+    with _counted_manager(root) as (mgr, calls):
         expected = {}
         for step, scale, lr in ((1, 1.0, 0.1), (2, 2.0, 0.2), (3, 3.0, 0.3)):
             state = _state(rank, scale, lr=lr)  # new tensors, same structure; lr changes
@@ -74,9 +79,6 @@ def _repeated(rank, world, root):
             expected[step] = state
         planned = len(calls)
         tiers = mgr._last.tiers_done
-    finally:
-        mgr.close()
-        undo()
     step, got = _restore_into(root, expected[3], memory=False)
     cairn.verify(f"{root}/step_0000000003")
     cairn.verify(f"{root}/step_0000000002")
@@ -92,9 +94,7 @@ def test_repeated_saves_reuse_the_plan_and_restore_exactly(tmp_path):
 
 
 def _structure_changes_on_one_rank(rank, world, root):
-    calls, undo = _counting_dcp_saves()
-    mgr = cairn.CheckpointManager(root, keep=5)
-    try:
+    with _counted_manager(root) as (mgr, calls):
         mgr.save(1, _state(rank, 1.0))
         mgr.wait()
         # Only rank 1 gains a tensor: both ranks must plan again (else rank 0 would
@@ -106,9 +106,6 @@ def _structure_changes_on_one_rank(rank, world, root):
         mgr.save(3, state)  # unchanged since step 2: the new plan is reused
         mgr.wait()
         planned_total = len(calls)
-    finally:
-        mgr.close()
-        undo()
     step, got = _restore_into(root, state, memory=False)
     return planned_after_change, planned_total, step, _equal(got, state)
 
@@ -156,45 +153,36 @@ def test_single_process_bytes_values_and_dtype_change(tmp_path):
     """One process: a tensor whose dtype changes is planned anew; a non-tensor value
     that changes is saved as it is at each save."""
     root = str(tmp_path)
-    calls, undo = _counting_dcp_saves()
-    try:
-        with cairn.CheckpointManager(root, keep=5) as mgr:
-            a = {"t": torch.arange(10.0), "meta": {"lr": 1.0, "name": "", "ints": [0]}}
-            mgr.save(1, a)
-            mgr.wait()
-            a["meta"]["lr"] = 0.5
-            mgr.save(2, a)
-            mgr.wait()
-            assert len(calls) == 1
-            b = {"t": torch.arange(10, dtype=torch.int64),
-                 "meta": {"lr": 0.25, "name": "x", "ints": [4]}}
-            mgr.save(3, b)
-            mgr.wait()
-            assert len(calls) == 2
-        for step, want in ((2, {"t": torch.arange(10.0), "meta": {"lr": 0.5, "name": "",
-                                                                  "ints": [0]}}),
-                           (3, b)):
-            dest = {"t": torch.zeros_like(want["t"]),
-                    "meta": {"lr": 0.0, "name": "?", "ints": [9]}}
-            dcp.load(dest, storage_reader=cairn.Reader(f"{root}/step_{step:010d}"))
-            assert _equal(dest, want)
-    finally:
-        undo()
+    with _counted_manager(root) as (mgr, calls):
+        a = {"t": torch.arange(10.0), "meta": {"lr": 1.0, "name": "", "ints": [0]}}
+        mgr.save(1, a)
+        mgr.wait()
+        a["meta"]["lr"] = 0.5
+        mgr.save(2, a)
+        mgr.wait()
+        assert len(calls) == 1
+        b = {"t": torch.arange(10, dtype=torch.int64),
+             "meta": {"lr": 0.25, "name": "x", "ints": [4]}}
+        mgr.save(3, b)
+        mgr.wait()
+        assert len(calls) == 2
+    for step, want in ((2, {"t": torch.arange(10.0), "meta": {"lr": 0.5, "name": "",
+                                                              "ints": [0]}}),
+                       (3, b)):
+        dest = {"t": torch.zeros_like(want["t"]),
+                "meta": {"lr": 0.0, "name": "?", "ints": [9]}}
+        dcp.load(dest, storage_reader=cairn.Reader(f"{root}/step_{step:010d}"))
+        assert _equal(dest, want)
 
 
 def _first_save_planned_by_restore(rank, world, root):
-    calls, undo = _counting_dcp_saves()
-    mgr = cairn.CheckpointManager(root, keep=5)
-    try:
+    with _counted_manager(root) as (mgr, calls):
         state = _state(rank, 1.0)
         assert mgr.restore(state) is None
         planned_by_restore = len(calls)
         mgr.save(1, state)
         mgr.wait()
         planned_by_save = len(calls) - planned_by_restore
-    finally:
-        mgr.close()
-        undo()
     step, got = _restore_into(root, state, memory=False)
     return planned_by_restore, planned_by_save, step, _equal(got, state)
 

@@ -474,8 +474,7 @@ class PosixStorage final : public Storage {
                              S_ISDIR(st.st_mode) ? 0 : static_cast<uint64_t>(st.st_size)});
     }
     ::closedir(d);
-    std::sort(out.begin(), out.end(),
-              [](const DirEntry& a, const DirEntry& b) { return a.name < b.name; });
+    std::sort(out.begin(), out.end());
     return out;
   }
 

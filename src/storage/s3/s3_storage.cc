@@ -258,6 +258,19 @@ class S3Storage final : public Storage {
 
   // ---- requests ----
 
+  // Executes `c`; its body must be an XML document whose root is `root` (kept
+  // in *doc, which owns the returned node).
+  Result<pugi::xml_node> ExecuteXml(const Call& c, const std::string& what, const char* root,
+                                    pugi::xml_document* doc) {
+    Outcome o = Execute(c, what);
+    CAIRN_RETURN_IF_ERROR(o.status);
+    pugi::xml_node r;
+    if (!doc->load_buffer(o.resp.body.data(), o.resp.body.size()) || !(r = doc->child(root))) {
+      return UnavailableError(what + ": malformed response (no " + root + ")");
+    }
+    return r;
+  }
+
   Outcome Execute(const Call& c, const std::string& what) {
     std::string payload_hash =
         c.body_len <= kSignedBodyLimit || opts_.sign_payload
@@ -355,14 +368,9 @@ class S3Storage final : public Storage {
     if (!delimiter.empty()) c.query.emplace_back("delimiter", delimiter);
     if (!token.empty()) c.query.emplace_back("continuation-token", token);
     if (max_keys > 0) c.query.emplace_back("max-keys", std::to_string(max_keys));
-    Outcome o = Execute(c, "listing " + FullUri(prefix));
-    CAIRN_RETURN_IF_ERROR(o.status);
     pugi::xml_document doc;
-    pugi::xml_node r;
-    if (!doc.load_buffer(o.resp.body.data(), o.resp.body.size()) ||
-        !(r = doc.child("ListBucketResult"))) {
-      return UnavailableError("listing " + FullUri(prefix) + ": malformed ListObjectsV2 response");
-    }
+    CAIRN_ASSIGN_OR_RETURN(pugi::xml_node r,
+                           ExecuteXml(c, "listing " + FullUri(prefix), "ListBucketResult", &doc));
     for (pugi::xml_node n : r.children("Contents")) {
       page->objects.emplace_back(n.child_value("Key"),
                                  std::strtoull(n.child_value("Size"), nullptr, 10));
@@ -556,8 +564,7 @@ class S3Storage final : public Storage {
       }
     } while (page.truncated);
     if (!found && !dir.empty()) return NotFoundError(Uri(dir) + ": no such directory");
-    std::sort(out.begin(), out.end(),
-              [](const DirEntry& a, const DirEntry& b) { return a.name < b.name; });
+    std::sort(out.begin(), out.end());
     return out;
   }
 
@@ -592,14 +599,9 @@ class S3Storage final : public Storage {
       c.query = {{"uploads", ""}, {"prefix", prefix}};
       if (!key_marker.empty()) c.query.emplace_back("key-marker", key_marker);
       if (!id_marker.empty()) c.query.emplace_back("upload-id-marker", id_marker);
-      Outcome o = Execute(c, "listing uploads below " + Uri(dir));
-      CAIRN_RETURN_IF_ERROR(o.status);
       pugi::xml_document doc;
-      pugi::xml_node r;
-      if (!doc.load_buffer(o.resp.body.data(), o.resp.body.size()) ||
-          !(r = doc.child("ListMultipartUploadsResult"))) {
-        return UnavailableError("listing uploads below " + Uri(dir) + ": malformed response");
-      }
+      CAIRN_ASSIGN_OR_RETURN(pugi::xml_node r, ExecuteXml(c, "listing uploads below " + Uri(dir),
+                                                          "ListMultipartUploadsResult", &doc));
       for (pugi::xml_node u : r.children("Upload")) {
         std::tm tm{};
         const char* initiated = u.child_value("Initiated");
