@@ -78,6 +78,25 @@ struct Manifest {
   uint64_t TotalBytes() const;
 };
 
+// Where one item of a save went: data file `file` (of `file_size` bytes) at
+// `location` (whose `file` index is ignored). A tensor chunk (`chunk`) is
+// named by its tensor and the chunk's offsets, a bytes item by name alone.
+struct WrittenItem {
+  std::string fqn;
+  bool chunk = false;
+  std::vector<uint64_t> offsets;
+  std::string file;
+  uint64_t file_size = 0;
+  ItemLocation location;
+};
+
+// Sets m->files to the data files of `written` (shorter keys first, so
+// data/r2.bin precedes data/r10.bin, then by name) and the location of every
+// chunk and bytes item of `m` to where `written` says it went (a later entry
+// for the same item wins; entries for items `m` lacks are ignored).
+// InvalidArgument naming the first item nothing was written for.
+Status PlaceWrittenItems(Manifest* m, const std::vector<WrittenItem>& written);
+
 // Checks every invariant of `m` (see docs/format.md, "Validation"). Returns
 // DataLoss "invalid manifest: <what>" naming the offending field, or
 // FailedPrecondition for an unknown version.

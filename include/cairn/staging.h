@@ -150,6 +150,16 @@ struct StagedSave {
 // The slot bytes a save of items of `lengths` bytes uses (StagedSave::bytes).
 uint64_t StagedBytes(std::span<const uint64_t> lengths);
 
+// Deletes the leftovers of staging directories whose process died without
+// closing its pool (a crash, SIGKILL): every directory directly below
+// `parent` named `prefix`<pid>[-anything] whose process <pid> no longer
+// exists (kill(pid, 0) fails with ESRCH) and below which no live process
+// holds a flock on any file (every open pool flocks its slot files). A
+// symbolic link, a non-directory, a name without a decimal pid, or a live or
+// foreign (EPERM) process's directory is left alone. Best effort: errors are
+// ignored. Returns the number of directories removed.
+size_t RemoveStaleStagingDirs(const std::string& parent, std::string_view prefix);
+
 // An item of a StagedSave in host memory: copy `lengths[item]` bytes from `src`.
 struct StageSource {
   size_t item = 0;

@@ -2,8 +2,8 @@
 // FileSystemWriter), without running any of their pickles.
 //
 // A stock data file (`__<rank>_<n>.distcp`) is a concatenation of items; DCP's
-// `.metadata` (decoded and validated by the Python package, which hands the
-// locations over) says where each item lies. A tensor item is the output of
+// `.metadata` (a pickle, decoded here by a restricted reader: ReadStockMetadata)
+// says where each item lies. A tensor item is the output of
 // `torch.save(tensor)`: a zip archive of stored (uncompressed) entries
 //
 //     archive/data.pkl        pickle: _rebuild_tensor_v2(persistent storage id,
@@ -24,8 +24,11 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "cairn/status.h"
@@ -144,5 +147,83 @@ bool IsStockCheckpoint(Storage* storage);
 // missing; kDataLoss when it is not a regular file, cannot be read, or is
 // larger than `max_size` bytes (checked before anything is allocated).
 Result<std::string> ReadMetadataFile(Storage* storage, const std::string& name, uint64_t max_size);
+
+// ---- DCP metadata (.metadata) --------------------------------------------
+
+// Bounds on what a metadata file may make the reader allocate before anything
+// is validated (a sparse file costs nothing on disk): the pickle itself, and
+// a tensor item beyond its chunk's bytes (torch.save's zip headers, pickle and
+// alignment padding). A non-tensor item is bounded by format::kMaxBytesItemSize.
+inline constexpr uint64_t kMaxStockMetadataSize = uint64_t{1} << 30;
+inline constexpr uint64_t kStockTensorItemSlack = uint64_t{16} << 20;
+
+// One chunk of a tensor (DCP ChunkStorageMetadata).
+struct StockChunk {
+  std::vector<uint64_t> offsets, sizes;
+};
+
+// A state_dict_metadata entry: a tensor (TensorStorageMetadata) or, when
+// `is_bytes`, a non-tensor value (BytesStorageMetadata; the rest is unset).
+struct StockItem {
+  std::string fqn;
+  bool is_bytes = false;
+  std::string dtype;   // canonical torch name without "torch.": "float32" (not "float")
+  std::string layout;  // torch name without "torch.": "strided", "sparse_coo", ...
+  bool requires_grad = false;
+  std::string memory_format;  // "contiguous_format", "channels_last" or "preserve_format"
+  bool pin_memory = false;
+  std::vector<uint64_t> size;
+  std::vector<StockChunk> chunks;
+};
+
+// A storage_data entry: the item (MetadataIndex) and where it lies (_StorageInfo).
+struct StockLocation {
+  std::string fqn;
+  std::optional<std::vector<uint64_t>> index_offset;  // MetadataIndex.offset
+  std::optional<int64_t> index;                       // MetadataIndex.index (a hint)
+  std::string relative_path;                          // a plain file name
+  uint64_t offset = 0, length = 0;
+};
+
+// DCP StorageMeta, as far as a load uses it.
+struct StockStorageMeta {
+  std::optional<std::string> checkpoint_id, save_id;
+  std::vector<std::string> modules;
+};
+
+// One element of a planner_data path (str or int; a bool stays a bool).
+using StockPathPart = std::variant<std::string, int64_t, bool>;
+
+// DCP Metadata of a stock checkpoint, validated: every tensor's chunks lie
+// inside it and tile it exactly once; every item has a location whose data
+// file is a plain file name and whose length fits what the item can hold.
+struct StockMetadata {
+  std::vector<StockItem> state;          // state_dict_metadata, in pickle order
+  std::vector<StockLocation> locations;  // storage_data (equal keys merged: last wins)
+  std::optional<std::vector<std::pair<std::string, std::vector<StockPathPart>>>> planner_data;
+  std::optional<StockStorageMeta> storage_meta;
+  std::optional<std::string> version;
+};
+
+// Decodes `pickle`, the bytes of a DCP `.metadata` file (`source` names it in
+// errors), without a Python VM: a restricted pickle reader (protocol 2 to 5)
+// that knows the data opcodes and resolves only the globals a DCP metadata
+// pickle names (the metadata dataclasses, torch.Size, dtypes, layouts, the
+// memory-format enum, pathlib paths, collections.OrderedDict) into inert
+// values; every length is checked against the input, the nesting depth and
+// the number of values are bounded. Any other opcode or global, and any
+// malformed field, is kDataLoss "<source>: ..." ("refusing to unpickle
+// 'os.system'", "malformed checkpoint metadata: 'w'.chunks[0] lies outside
+// the tensor"). Stream transforms (compression) and a metadata version other
+// than 1.x are kInvalidArgument. Thread-safe (a pure function).
+Result<StockMetadata> DecodeStockMetadata(std::string_view pickle, const std::string& source);
+
+// ReadMetadataFile(storage, name, kMaxStockMetadataSize), then
+// DecodeStockMetadata, naming the file in errors.
+Result<StockMetadata> ReadStockMetadata(Storage* storage, const std::string& name);
+
+// Python's repr() of the str `s` (UTF-8), for names in error messages:
+// 'w', "it's", 'a\nb'. Printable non-ASCII characters are kept as they are.
+std::string PyRepr(std::string_view s);
 
 }  // namespace cairn::stock

@@ -286,4 +286,9 @@ Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create =
 // of shm://NAME; empty for every other scheme and for a malformed URI.
 std::string LocalDirOfUri(std::string_view uri);
 
+// Checks that `uri` can name a checkpoint (the Writer's and Reader's path):
+// a plain path or file://, shm://, s3:// or fault:// URI. InvalidArgument for
+// an empty one or another scheme (mem:// and slow:// hold no checkpoints).
+Status CheckCheckpointUri(std::string_view uri);
+
 }  // namespace cairn

@@ -20,7 +20,6 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
@@ -28,11 +27,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from cairn import _ext
-from cairn.errors import CorruptionError, InvalidArgumentError
+from cairn.errors import InvalidArgumentError
 
 __all__ = [
     "Location",
-    "Item",
     "dtype_name",
     "manifest_from_metadata",
     "metadata_from_manifest",
@@ -48,15 +46,6 @@ class Location(NamedTuple):
     offset: int
     length: int
     checksums: tuple[int, ...]
-
-
-class Item(NamedTuple):
-    """Reader-side storage_data: a manifest item (kind 0 tensor chunk, 1 bytes)."""
-
-    kind: int
-    index: int
-    chunk: int
-    length: int
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -84,43 +73,15 @@ _MEMORY_FORMATS = {
 
 
 def _encode(value: Any) -> Any:
-    """Encodes DCP planner data (nested dicts/lists/tuples of scalars) as JSON.
-
-    Dicts and tuples are tagged so they decode to the same types; anything
-    else is refused: cairn never pickles.
-    """
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, list):
-        return [_encode(v) for v in value]
-    if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v) for v in value]}
-    if isinstance(value, dict):
-        return {"__dict__": [[_encode(k), _encode(v)] for k, v in value.items()]}
-    raise InvalidArgumentError(
-        f"cannot store planner data of type {type(value).__name__} in a cairn manifest "
-        "(only dicts, lists, tuples and scalars: cairn never pickles)"
-    )
+    """DCP planner data (nested dicts/lists/tuples of scalars) as a JSON value,
+    dicts and tuples tagged so they decode to the same types, encoded by the engine
+    (include/cairn/value_codec.h); InvalidArgumentError for anything else: cairn
+    never pickles."""
+    return json.loads(_ext.encode_planner_data(value))
 
 
 def _decode(value: Any) -> Any:
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    if isinstance(value, dict):
-        if set(value) == {"__tuple__"} and isinstance(value["__tuple__"], list):
-            return tuple(_decode(v) for v in value["__tuple__"])
-        if set(value) == {"__dict__"} and isinstance(value["__dict__"], list):
-            out = {}
-            for pair in value["__dict__"]:
-                if not isinstance(pair, list) or len(pair) != 2:
-                    raise CorruptionError("malformed planner data in the manifest")
-                key = _decode(pair[0])
-                if isinstance(key, list):
-                    raise CorruptionError("malformed planner data in the manifest")
-                out[key] = _decode(pair[1])
-            return out
-        raise CorruptionError("malformed planner data in the manifest")
-    return value
+    return _ext.decode_planner_data(json.dumps(value))
 
 
 def manifest_extra(manifest: _ext.Manifest) -> dict[str, Any]:
@@ -138,35 +99,19 @@ def manifest_from_metadata(
     """The engine manifest of a DCP save: ``metadata`` from the planner, each
     rank's ``results`` (storage_data a :class:`Location`), and ``extra`` (merged
     into the manifest's extra object beside DCP's own ``"dcp"`` section)."""
-    locations: dict[MetadataIndex, Location] = {}
-    file_sizes: dict[str, int] = {}
+    written = []
     for rank_results in results:
         for wr in rank_results:
             loc = wr.storage_data
             if not isinstance(loc, Location):
                 raise InvalidArgumentError(f"unexpected write result for {wr.index.fqn!r}")
-            locations[wr.index] = loc
-            file_sizes[loc.file] = loc.file_size
-    file_keys = sorted(file_sizes, key=lambda k: (len(k), k))
-    file_index = {k: i for i, k in enumerate(file_keys)}
-
-    def location(index: MetadataIndex) -> _ext.ItemLocation:
-        loc = locations.get(index)
-        if loc is None:
-            raise InvalidArgumentError(f"no data was written for {index.fqn!r} {index.offset}")
-        return _ext.ItemLocation(file_index[loc.file], loc.offset, loc.length, list(loc.checksums))
-
+            written.append((wr.index.fqn, wr.index.offset, *loc))
     tensors = []
     bytes_items = []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             props = md.properties
-            chunks = [
-                _ext.TensorChunk(
-                    list(ch.offsets), list(ch.sizes), location(MetadataIndex(fqn, ch.offsets))
-                )
-                for ch in md.chunks
-            ]
+            chunks = [_ext.TensorChunk(list(ch.offsets), list(ch.sizes)) for ch in md.chunks]
             tensors.append(_ext.ManifestTensor(
                 fqn=fqn,
                 dtype=dtype_name(props.dtype),
@@ -178,41 +123,30 @@ def manifest_from_metadata(
                 chunks=chunks,
             ))
         elif isinstance(md, BytesStorageMetadata):
-            bytes_items.append(_ext.ManifestBytes(fqn, location(MetadataIndex(fqn))))
+            bytes_items.append(_ext.ManifestBytes(fqn))
         else:
             raise InvalidArgumentError(f"unsupported DCP storage metadata for {fqn!r}: {md!r}")
 
     sm = metadata.storage_meta
-    dcp_extra = {
-        "version": metadata.version,
-        "planner_data": _encode(metadata.planner_data),
-        "storage_meta": None
-        if sm is None
-        else {
-            "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
-            "save_id": sm.save_id,
-            "modules": list(sm.modules),
-        },
-    }
+    if sm is not None:
+        sm = (None if sm.checkpoint_id is None else str(sm.checkpoint_id), sm.save_id,
+              list(sm.modules))
     m = _ext.Manifest()
     m.world_size = max(1, len(results))
     m.block_size = block_size
     m.created_unix_ms = int(time.time() * 1000)
-    m.files = [_ext.ManifestFile(k, file_sizes[k]) for k in file_keys]
     m.tensors = tensors
     m.bytes = bytes_items
-    m.extra = json.dumps({"dcp": dcp_extra, **extra}, separators=(",", ":"))
+    _ext.place_written_items(m, written)  # the file table and every item's location
+    m.extra = _ext.dcp_extra_json(metadata.version, metadata.planner_data, sm, json.dumps(extra))
     return m
 
 
-def metadata_from_manifest(
-    manifest: _ext.Manifest,
-) -> tuple[Metadata, dict[MetadataIndex, Item]]:
-    """Rebuilds DCP ``Metadata`` (and each item's place in the manifest) from a
-    validated manifest."""
+def metadata_from_manifest(manifest: _ext.Manifest) -> Metadata:
+    """Rebuilds DCP ``Metadata`` from a validated manifest (the engine's reader
+    finds each item by name, so ``storage_data`` is None)."""
     state: dict[str, Any] = {}
-    items: dict[MetadataIndex, Item] = {}
-    for ti, t in enumerate(manifest.tensors):
+    for t in manifest.tensors:
         props = TensorProperties(
             dtype=_dtype_from_name(t.dtype),
             layout=torch.strided,
@@ -220,33 +154,17 @@ def metadata_from_manifest(
             memory_format=_MEMORY_FORMATS.get(t.memory_format, torch.contiguous_format),
             pin_memory=t.pin_memory,
         )
-        chunks = []
-        for ci, c in enumerate(t.chunks):
-            offsets = torch.Size(c.offsets)
-            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(c.sizes)))
-            items[MetadataIndex(t.fqn, offsets)] = Item(0, ti, ci, c.location.length)
+        chunks = [ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
+                  for c in t.chunks]
         state[t.fqn] = TensorStorageMetadata(
             properties=props, size=torch.Size(t.shape), chunks=chunks
         )
-    for bi, b in enumerate(manifest.bytes):
+    for b in manifest.bytes:
         state[b.fqn] = BytesStorageMetadata()
-        items[MetadataIndex(b.fqn)] = Item(1, bi, 0, b.location.length)
-    dcp_extra = manifest_extra(manifest).get("dcp", {}) or {}
-    if not isinstance(dcp_extra, dict):
-        raise CorruptionError("malformed 'extra.dcp' section in the manifest")
-    sm = dcp_extra.get("storage_meta")
-    storage_meta = None
-    if isinstance(sm, dict):
-        storage_meta = StorageMeta(
-            checkpoint_id=sm.get("checkpoint_id"),
-            save_id=sm.get("save_id"),
-            modules=list(sm.get("modules") or []),
-        )
-    metadata = Metadata(
+    version, planner_data, sm = _ext.dcp_section(manifest)  # validated by the engine
+    return Metadata(
         state_dict_metadata=state,
-        planner_data=_decode(dcp_extra.get("planner_data")),
-        storage_data=items,
-        storage_meta=storage_meta,
-        version=dcp_extra.get("version"),
+        planner_data=planner_data,
+        storage_meta=None if sm is None else StorageMeta(*sm),
+        version=version,
     )
-    return metadata, items

@@ -31,12 +31,10 @@ A path without a cairn manifest that holds a checkpoint written by stock
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import io
 import json
 import os
-import shutil
 import uuid
 from typing import Any, Sequence
 
@@ -47,9 +45,7 @@ from torch.distributed.checkpoint import _version
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     Metadata,
-    MetadataIndex,
     StorageMeta,
     TensorStorageMetadata,
 )
@@ -75,7 +71,6 @@ from cairn.errors import (
 )
 
 from cairn._dcp_metadata import (
-    Item,
     Location,
     dtype_name,
     manifest_from_metadata,
@@ -116,17 +111,15 @@ def unwrap(exc: BaseException) -> BaseException:
 
 def _uri(path: str | os.PathLike | None) -> str:
     """The storage URI of a checkpoint path: a directory, file://DIR, shm://NAME
-    or s3://BUCKET/PREFIX."""
+    or s3://BUCKET/PREFIX (the scheme checked by the engine's registry)."""
     if path is None:
         raise InvalidArgumentError(
             "no checkpoint path: pass one to cairn.Writer/Reader or as checkpoint_id"
         )
     s = os.fspath(path)
-    if not isinstance(s, str) or not s:
+    if not isinstance(s, str):
         raise InvalidArgumentError(f"invalid checkpoint path {path!r}")
-    if "://" in s and not s.startswith(("file://", "shm://", "fault://", "s3://")):
-        raise InvalidArgumentError(f"unsupported checkpoint URI scheme: {s}")
-    return s
+    return _ext.check_checkpoint_uri(s)
 
 
 def _staging_dir(path: str | os.PathLike) -> str:
@@ -140,12 +133,6 @@ def _staging_dir(path: str | os.PathLike) -> str:
             f"staging_dir must be a local directory (a fast local disk), got {s}"
         )
     return os.path.abspath(local)
-
-
-def _local_path(uri: str) -> str | None:
-    """The local directory of the storage at ``uri`` (the engine parses the
-    URI), or None when it has none (s3)."""
-    return _ext.local_dir_of_uri(uri) or None
 
 
 def _io_pool(thread_count: int | None) -> _ext.ThreadPool:
@@ -169,104 +156,14 @@ def _check_serialization_format(fmt: Any) -> None:
 # DCP's planner hands a storage writer every non-tensor value as torch.save (pickle)
 # bytes, and loads them back with torch.load(weights_only=False). cairn stores a
 # value made only of None, bool, int, float, str, bytes, lists, tuples, dicts and
-# NumPy arrays/scalars (e.g. the RNG dict {"python": random.getstate(), "numpy":
-# np.random.get_state(), ...}) natively instead: VALUE_MAGIC, then UTF-8 JSON with
-# tagged tuples, dicts, bytes and arrays (dtype, shape, base64 of the raw bytes).
-# Loading it needs no unpickler at all; any other value keeps DCP's pickle bytes,
-# checked by the safe unpickler on load (cairn._stock_reader.check_value_is_safe).
+# NumPy arrays/scalars (e.g. the RNG dict) natively instead: VALUE_MAGIC, then tagged
+# UTF-8 JSON (docs/format.md), encoded and decoded by the engine
+# (include/cairn/value_codec.h); loading it needs no unpickler at all. Any other value
+# keeps DCP's pickle bytes, checked by the safe unpickler on load.
 
-VALUE_MAGIC = b"\x00cairn-value-v1\n"
-
-
-class _NotNative(Exception):
-    pass
-
-
-def _value_to_json(v: Any) -> Any:
-    if v is None or isinstance(v, (bool, str)):
-        return v
-    if isinstance(v, int) and type(v) is int:
-        return v
-    if isinstance(v, float) and type(v) is float:
-        return v if v == v and v not in (float("inf"), float("-inf")) else {"__float__": repr(v)}
-    if type(v) is list:
-        return [_value_to_json(x) for x in v]
-    if type(v) is tuple:
-        return {"__tuple__": [_value_to_json(x) for x in v]}
-    if type(v) is dict:
-        return {"__dict__": [[_value_to_json(k), _value_to_json(x)] for k, x in v.items()]}
-    if type(v) is bytes:
-        return {"__bytes__": base64.b64encode(v).decode()}
-    if isinstance(v, (np.ndarray, np.generic)) and type(v) in (np.ndarray,) + tuple(
-            np.sctypeDict.values()):
-        a = np.asarray(v)
-        if a.dtype.hasobject or a.dtype.fields is not None:
-            raise _NotNative
-        tag = "__ndarray__" if isinstance(v, np.ndarray) else "__npscalar__"
-        return {tag: {"dtype": a.dtype.str, "shape": list(a.shape),
-                      "data": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()}}
-    raise _NotNative
-
-
-def encode_value(value: Any) -> bytes | None:
-    """The native encoding of a non-tensor value, or None when it holds a type the
-    encoding does not cover (it is then stored as DCP's pickle bytes)."""
-    try:
-        body = json.dumps(_value_to_json(value), separators=(",", ":"), allow_nan=False)
-    except (_NotNative, ValueError, TypeError, RecursionError):
-        return None
-    return VALUE_MAGIC + body.encode()
-
-
-def _value_from_json(v: Any, where: str) -> Any:
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, list):
-        return [_value_from_json(x, where) for x in v]
-    if not isinstance(v, dict) or len(v) != 1:
-        raise CorruptionError(f"{where}: malformed stored value")
-    (tag, body), = v.items()
-    if tag == "__tuple__" and isinstance(body, list):
-        return tuple(_value_from_json(x, where) for x in body)
-    if tag == "__dict__" and isinstance(body, list):
-        out = {}
-        for pair in body:
-            if not isinstance(pair, list) or len(pair) != 2:
-                raise CorruptionError(f"{where}: malformed stored dict")
-            key = _value_from_json(pair[0], where)
-            if isinstance(key, (list, dict)):
-                raise CorruptionError(f"{where}: unhashable key in a stored dict")
-            out[key] = _value_from_json(pair[1], where)
-        return out
-    if tag == "__float__" and body in ("nan", "inf", "-inf"):
-        return float(body)
-    if tag == "__bytes__" and isinstance(body, str):
-        return base64.b64decode(body, validate=True)
-    if tag in ("__ndarray__", "__npscalar__") and isinstance(body, dict):
-        try:
-            dtype = np.dtype(str(body["dtype"]))
-            shape = tuple(int(n) for n in body["shape"])
-            raw = base64.b64decode(body["data"], validate=True)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptionError(f"{where}: malformed stored array ({e})") from None
-        if dtype.hasobject or dtype.fields is not None or any(n < 0 for n in shape) or (
-                int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != len(raw)):
-            raise CorruptionError(f"{where}: malformed stored array")
-        a = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
-        return a if tag == "__ndarray__" else a[()]
-    raise CorruptionError(f"{where}: malformed stored value")
-
-
-def decode_value(data: bytes, where: str) -> Any:
-    """The value stored by encode_value (never unpickles)."""
-    try:
-        body = json.loads(data[len(VALUE_MAGIC):].decode())
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CorruptionError(f"{where}: malformed stored value ({e})") from None
-    try:
-        return _value_from_json(body, where)
-    except RecursionError:
-        raise CorruptionError(f"{where}: stored value nested too deeply") from None
+VALUE_MAGIC = _ext.VALUE_MAGIC
+encode_value = _ext.encode_value  # (value) -> bytes | None: None = not native
+decode_value = _ext.decode_value  # (data, where) -> value; CorruptionError naming where
 
 
 def value_bytes(planner: SavePlanner, item: Any) -> Any:
@@ -526,15 +423,11 @@ class Writer(StorageWriter):
         being written: each range goes up as soon as it is complete locally, on
         the upload pool (synced at the target when ``sync_files``). The staged
         copy is removed whatever happened."""
-        local = os.path.join(self.staging_dir, f"cairn-{self.save_id}-r{self.rank}")
-        try:
-            return _ext.write_data_file_staged(
-                local, _uri(self.path), key, buffers, self._thread_pool(),
-                _pools.upload_pool(), direct_io=self.direct_io, sync=self.sync,
-                block_size=self.block_size,
-            )
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
+        return _ext.write_data_file_staged(  # removes the staged copy, also on failure
+            os.path.join(self.staging_dir, f"cairn-{self.save_id}-r{self.rank}"),
+            _uri(self.path), key, buffers, self._thread_pool(), _pools.upload_pool(),
+            direct_io=self.direct_io, sync=self.sync, block_size=self.block_size,
+        )
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         extra = {"save_id": self.save_id, "path": self.path, "user": self.user_metadata}
@@ -556,31 +449,9 @@ class Writer(StorageWriter):
 # ---- Reader -----------------------------------------------------------------
 
 
-def _byte_range(
-    offsets: tuple[int, ...], lengths: tuple[int, ...], sizes: tuple[int, ...], itemsize: int
-) -> tuple[int, int] | None:
-    """The (byte offset, nbytes) of the box ``offsets + lengths`` inside a
-    row-major chunk of shape ``sizes`` when that box is one contiguous byte
-    range (e.g. whole rows: FSDP-style Shard(0) resharding), else None."""
-    if len(offsets) != len(sizes) or len(lengths) != len(sizes):
-        raise InvalidArgumentError("read item and stored chunk differ in rank")
-    for o, n, s in zip(offsets, lengths, sizes):
-        if o < 0 or n < 0 or o + n > s:
-            raise InvalidArgumentError(f"read region {offsets}+{lengths} outside chunk {sizes}")
-    if any(n == 0 for n in lengths):
-        return 0, 0
-    partial = [d for d in range(len(sizes)) if lengths[d] != sizes[d]]
-    last = partial[-1] if partial else -1
-    if any(lengths[d] != 1 for d in range(last)):
-        return None
-    linear = 0
-    for o, s in zip(offsets, sizes):
-        linear = linear * s + o
-    numel = 1
-    for n in lengths:
-        numel *= n
-    return linear * itemsize, numel * itemsize
-
+# (offsets, lengths, sizes, itemsize) -> (byte offset, nbytes) of a box of a stored
+# chunk when it is one contiguous byte range, else None (include/cairn/read_plan.h).
+_byte_range = _ext.chunk_byte_range
 
 
 @dataclasses.dataclass
@@ -591,8 +462,8 @@ class InPlaceLoad:
     keys: list[str]
     stateful_sd: dict[str, Any]
     mappings: dict[str, Any]
-    requests: list[tuple[int, int, int, int, int, int]]
-    values: list[tuple[str, np.ndarray]]
+    engine: _ext.InPlacePlan  # the reads (tensors straight into their memory)
+    values: list[str]  # fqns of the non-tensor values, in the order the engine reads them
 
 
 class Reader(StorageReader):
@@ -650,7 +521,6 @@ class Reader(StorageReader):
         self._reader: _ext.CheckpointReader | None = None
         self._stock: StorageReader | None = None
         self._metadata: Metadata | None = None
-        self._items: dict[MetadataIndex, Item] = {}
         self._user_metadata: dict = {}
         if path is not None:
             self._open(_uri(path))
@@ -677,16 +547,11 @@ class Reader(StorageReader):
         self._reader = None
         self._stock = None
         self._metadata = None
-        self._items = {}
         try:
             self._reader = engine if engine is not None else _ext.CheckpointReader(uri)
         except NotFoundError:
-            local = _local_path(uri)
-            if (
-                not _ext.has_manifest(uri)
-                and local is not None
-                and is_stock_checkpoint(local)
-            ):
+            local = _ext.local_dir_of_uri(uri)  # '' when it has none (s3)
+            if local and not _ext.has_manifest(uri) and is_stock_checkpoint(local):
                 self._stock = StockReader(local, allow_pickle=self.allow_pickle)
                 # Validated now, not lazily inside dcp.load: DCP reports a
                 # failed read_metadata as a bare AssertionError. Saved without
@@ -707,7 +572,7 @@ class Reader(StorageReader):
             # The engine validated the manifest (extra.dcp included); anything
             # that still fails to convert is a damaged manifest, not a bug.
             manifest = self._reader.manifest()
-            self._metadata, self._items = metadata_from_manifest(manifest)
+            self._metadata = metadata_from_manifest(manifest)
         except Error as e:
             if uri in str(e):
                 raise
@@ -768,28 +633,21 @@ class Reader(StorageReader):
         if self._reader is None:
             self._open(_uri(self.path))
         assert self._reader is not None
-        # (kind, item index, chunk index, address, nbytes, byte offset in item)
-        requests: list[tuple[int, int, int, int, int, int]] = []
-        in_place: list[tuple[Any, torch.Tensor]] = []
-        # Read into scratch memory, then copied: (read item, destination, source view).
-        copies: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
-        whole_chunks: dict[tuple[int, int], torch.Tensor] = {}
-        byte_reads: list[tuple[Any, np.ndarray]] = []
+        # The engine reads each region of a stored chunk into contiguous memory
+        # (ReadBoxes): the destination itself when it is a contiguous CPU tensor of
+        # the stored dtype, else a scratch tensor copied into it afterwards.
+        boxes, values, value_items, commits, copies = [], [], [], [], []
         for ri in plan.items:
-            item = self._items.get(ri.storage_index)
-            if item is None:
-                raise InvalidArgumentError(
-                    f"{ri.storage_index.fqn!r} at {ri.storage_index.offset} "
-                    f"is not in the checkpoint at {self.path}"
-                )
+            index = ri.storage_index
             if ri.type == LoadItemType.BYTE_IO:
-                buf = np.empty(item.length, dtype=np.uint8)
-                requests.append((1, item.index, 0, buf.ctypes.data, item.length, 0))
-                byte_reads.append((ri, buf))
+                values.append(index.fqn)
+                value_items.append(ri)
                 continue
-            meta_tensor = self._metadata.state_dict_metadata[ri.storage_index.fqn]
-            dtype = meta_tensor.properties.dtype
-            sizes = tuple(meta_tensor.chunks[item.chunk].sizes)
+            meta = self._metadata.state_dict_metadata.get(index.fqn)
+            if not isinstance(meta, TensorStorageMetadata):
+                raise InvalidArgumentError(
+                    f"{index.fqn!r} is not a tensor of the checkpoint at {self.path}")
+            dtype = meta.properties.dtype
             lengths = tuple(ri.lengths)
             dest = planner.resolve_tensor(ri).detach()
             if tuple(dest.shape) != lengths:
@@ -797,43 +655,22 @@ class Reader(StorageReader):
                     f"{ri.dest_index.fqn!r}: destination of shape {tuple(dest.shape)} for a "
                     f"stored region of shape {lengths}"
                 )
-            region = _byte_range(tuple(ri.storage_offsets), lengths, sizes, dtype.itemsize)
-            if region is not None:
-                offset, nbytes = region
-                if nbytes == 0:
-                    in_place.append((ri, dest))
-                elif dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous():
-                    # The common case: straight into the destination's memory.
-                    requests.append((0, item.index, item.chunk, dest.data_ptr(), nbytes, offset))
-                    in_place.append((ri, dest))
-                else:
-                    tmp = torch.empty(lengths, dtype=dtype)
-                    requests.append((0, item.index, item.chunk, tmp.data_ptr(), nbytes, offset))
-                    copies.append((ri, dest, tmp))
-                continue
-            # A non-contiguous region of a stored chunk: read the chunk once
-            # (shared by every item of this call that needs it) and narrow.
-            key = (item.index, item.chunk)
-            tmp = whole_chunks.get(key)
-            if tmp is None:
-                tmp = whole_chunks[key] = torch.empty(sizes, dtype=dtype)
-                requests.append(
-                    (0, item.index, item.chunk, tmp.data_ptr(), tmp.numel() * dtype.itemsize, 0)
-                )
-            src = tmp
-            for dim, (off, length) in enumerate(zip(ri.storage_offsets, lengths)):
-                src = src.narrow(dim, off, length)
-            copies.append((ri, dest, src))
+            into = dest
+            if dest.device.type != "cpu" or dest.dtype != dtype or not dest.is_contiguous():
+                into = torch.empty(lengths, dtype=dtype)
+                copies.append((dest, into))
+            boxes.append((index.fqn, list(index.offset or ()), list(ri.storage_offsets),
+                          list(lengths), into.data_ptr(), into.numel() * into.element_size()))
+            commits.append((ri, dest))
 
-        self._reader.read(requests, self._thread_pool())
+        datas = self._reader.read_items(boxes, values, self._thread_pool())
 
-        for ri, buf in byte_reads:
-            load_value_bytes(planner, ri, buf.tobytes(),
+        for ri, data in zip(value_items, datas):
+            load_value_bytes(planner, ri, data,
                              f"{self.path}: value '{ri.storage_index.fqn}'", self.allow_pickle)
-        for ri, dest in in_place:
-            planner.commit_tensor(ri, dest)
-        for ri, dest, src in copies:
+        for dest, src in copies:
             dest.copy_(src)
+        for ri, dest in commits:
             planner.commit_tensor(ri, dest)
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -872,39 +709,22 @@ class Reader(StorageReader):
                 _version._derived_version = None
             if old.keys() & missing:
                 return None
-        requests: list[tuple[int, int, int, int, int, int]] = []
-        values: list[tuple[str, np.ndarray]] = []
+        # The matching against the manifest is the engine's (PlanInPlaceRead).
+        targets, values = [], []
         for fqn, v in flat.items():
-            m = md.get(fqn)
-            if m is None:
-                return None  # DCP raises its own "missing key" error
-            if isinstance(v, torch.Tensor):
-                if type(v) not in (torch.Tensor, torch.nn.Parameter):
-                    return None  # DTensor, ShardedTensor, other subclasses
-                if not isinstance(m, TensorStorageMetadata) or len(m.chunks) != 1:
-                    return None
-                chunk = m.chunks[0]
-                shape = tuple(v.shape)
-                if (tuple(m.size) != shape or tuple(chunk.sizes) != shape
-                        or any(chunk.offsets) or v.device.type != "cpu"
-                        or v.dtype != m.properties.dtype or not v.is_contiguous()):
-                    return None
-                item = self._items.get(MetadataIndex(fqn, chunk.offsets))
-                nbytes = v.numel() * v.element_size()
-                if item is None or item.kind != 0 or item.length != nbytes:
-                    return None
-                if nbytes:
-                    requests.append((0, item.index, item.chunk, v.data_ptr(), nbytes, 0))
-                continue
-            if not isinstance(m, BytesStorageMetadata):
+            if not isinstance(v, torch.Tensor):
+                targets.append((fqn, None, [], 0, 0))
+                values.append(fqn)
+            elif (type(v) in (torch.Tensor, torch.nn.Parameter) and v.device.type == "cpu"
+                    and v.is_contiguous()):  # not DTensor, ShardedTensor, ...
+                targets.append((fqn, str(v.dtype).removeprefix("torch."), list(v.shape),
+                                v.data_ptr(), v.numel() * v.element_size()))
+            else:
                 return None
-            item = self._items.get(MetadataIndex(fqn))
-            if item is None or item.kind != 1:
-                return None
-            buf = np.empty(item.length, dtype=np.uint8)
-            requests.append((1, item.index, 0, buf.ctypes.data, item.length, 0))
-            values.append((fqn, buf))
-        return InPlaceLoad(state_dict, keys, stateful_sd, mappings, requests, values)
+        engine = self._reader.plan_in_place(targets)
+        if engine is None:
+            return None
+        return InPlaceLoad(state_dict, keys, stateful_sd, mappings, engine, values)
 
     def load_in_place(self, plan: "InPlaceLoad") -> None:
         """Carries out plan_in_place's plan: every tensor and value is read, verified,
@@ -913,9 +733,8 @@ class Reader(StorageReader):
         ``load_state_dict``. A corrupt byte raises CorruptionError naming the file and
         tensor; the state's contents are then unspecified."""
         assert self._reader is not None
-        self._reader.read(plan.requests, self._thread_pool())
-        for fqn, buf in plan.values:
-            data = buf.tobytes()
+        datas = self._reader.load_in_place(plan.engine, self._thread_pool())
+        for fqn, data in zip(plan.values, datas):
             where = f"{self.path}: value '{fqn}'"
             if data.startswith(VALUE_MAGIC):
                 value = decode_value(data, where)

@@ -59,9 +59,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
-import fcntl
 import os
-import shutil
 import uuid
 import weakref
 from typing import Any
@@ -77,55 +75,6 @@ from cairn.errors import InvalidArgumentError, PreconditionError, TimeoutError
 __all__ = ["SharedMemoryStager"]
 
 _PREFIX = "cairn-stager-"
-
-
-def _remove_stale(parent: str) -> None:
-    """Deletes staging directories left in `parent` by stagers whose process died
-    without closing (a crash, SIGKILL): the process named in the directory is gone
-    and no live process holds a lock on any of its files (every open pool flocks its
-    slot files), so nothing can still be using them."""
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return
-    for name in names:
-        if not name.startswith(_PREFIX):
-            continue
-        try:
-            os.kill(int(name[len(_PREFIX):].split("-")[0]), 0)
-            continue  # alive (or not ours to signal): leave it
-        except ProcessLookupError:
-            pass
-        except (ValueError, PermissionError, OSError):
-            continue
-        path = os.path.join(parent, name)
-        if os.path.islink(path) or not os.path.isdir(path):
-            continue
-        if all(_unlocked(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _unlocked(path: str) -> bool:
-    try:
-        # O_NONBLOCK: a FIFO in the tree must not block the scan.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def _free(pool: Any, shm_dir: str) -> None:
-    """Closes the pool and removes its directory (also run at interpreter exit)."""
-    try:
-        pool.close()
-    finally:
-        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def _dtensor_type():
@@ -193,13 +142,15 @@ class SharedMemoryStager(DefaultStager):
         self.timeout = float(timeout)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.shm_dir = _ext.shm_directory(f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        _remove_stale(os.path.dirname(self.shm_dir))
+        # Leftovers of stagers whose process died without closing (a crash, SIGKILL).
+        _ext.remove_stale_staging_dirs(os.path.dirname(self.shm_dir), _PREFIX)
         self._pool = _ext.StagingPool(self.shm_dir, rank=rank, num_slots=slots,
                                       threads=threads or _pools.thread_count("copy"),
                                       remove_on_close=True)
-        # Frees the shared memory if close() is never called (garbage collection or
-        # interpreter exit); a crash leaves files that the next stager on the node removes.
-        self._finalizer = weakref.finalize(self, _free, self._pool, self.shm_dir)
+        # Frees the shared memory (the pool's files and its directory) if close() is never
+        # called (garbage collection or interpreter exit); a crash leaves files that the
+        # next stager on the node removes.
+        self._finalizer = weakref.finalize(self, self._pool.close)
         self._engine = SlotStager(self._pool, pin_memory=bool(pin_memory))
         self._slots = [_Slot(i) for i in range(slots)]
         self._stages = 0

@@ -62,6 +62,7 @@ void RegisterCache(nanobind::module_& m);
 void RegisterTier(nanobind::module_& m);
 void RegisterStock(nanobind::module_& m);
 void RegisterReplication(nanobind::module_& m);
+void RegisterValues(nanobind::module_& m);
 void RegisterFloors(nanobind::module_& m);
 void RegisterData(nanobind::module_& m);
 

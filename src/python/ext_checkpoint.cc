@@ -12,7 +12,11 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <filesystem>
+#include <system_error>
+
 #include "cairn/checkpoint.h"
+#include "cairn/read_plan.h"
 #include "common.h"
 #include "without_gil.h"
 
@@ -30,13 +34,31 @@ Result<std::unique_ptr<Storage>> OpenExisting(const std::string& uri, const char
   return storage;
 }
 
+// PyCheckpointReader::PlanInPlace's plan: the engine reads, with the
+// requests of non-tensor values (positions `values`) still to be pointed at
+// buffers of their own.
+struct InPlacePlan {
+  std::vector<ReadRequest> requests;
+  std::vector<size_t> values;
+};
+
+// A new bytes object of r->size bytes, which `r` then reads into (it is
+// filled before anyone else sees it).
+nb::object NewBytesFor(ReadRequest* r) {
+  nb::object b = nb::steal(PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(r->size)));
+  if (!b.is_valid()) throw nb::python_error();
+  r->dest = PyBytes_AS_STRING(b.ptr());
+  return b;
+}
+
 // A CheckpointReader together with the Storage it reads from.
 class PyCheckpointReader {
  public:
-  explicit PyCheckpointReader(const std::string& uri) {
+  explicit PyCheckpointReader(const std::string& uri) : uri_(uri) {
     WithoutGil([&]() -> Status {
       CAIRN_ASSIGN_OR_RETURN(storage_, OpenExisting(uri, "checkpoint"));
       CAIRN_ASSIGN_OR_RETURN(reader_, CheckpointReader::Open(storage_.get(), ""));
+      index_ = std::make_unique<ItemIndex>(reader_->manifest());
       return reader_->CheckFiles();
     });
   }
@@ -64,9 +86,84 @@ class PyCheckpointReader {
     WithoutGil([&] { return reader_->Read(reqs, &pool); });
   }
 
+  // boxes: (fqn, chunk offsets, offsets in the chunk, lengths, dest address,
+  // nbytes); values: names of bytes items. Reads both (ReadBoxes); returns
+  // each value's bytes, in order.
+  nb::list ReadItems(
+      const std::vector<std::tuple<std::string, std::vector<uint64_t>, std::vector<int64_t>,
+                                   std::vector<int64_t>, uintptr_t, uint64_t>>& boxes,
+      const std::vector<std::string>& values, ThreadPool& pool) {
+    auto missing = [&](const std::string& fqn, const std::string& at) {
+      RaiseStatus(
+          InvalidArgumentError("'" + fqn + "'" + at + " is not in the checkpoint at " + uri_));
+    };
+    std::vector<BoxRead> bs;
+    bs.reserve(boxes.size());
+    for (const auto& [fqn, chunk_offsets, offsets, lengths, addr, nbytes] : boxes) {
+      std::optional<ItemRef> item = index_->Chunk(fqn, chunk_offsets);
+      if (!item) {
+        std::string at;
+        for (uint64_t o : chunk_offsets) at += (at.empty() ? "" : ", ") + std::to_string(o);
+        missing(fqn, " at [" + at + "]");
+      }
+      bs.push_back(
+          {item->index, item->chunk, offsets, lengths, reinterpret_cast<void*>(addr), nbytes});
+    }
+    std::vector<ReadRequest> reqs;
+    nb::list out;
+    for (const std::string& fqn : values) {
+      std::optional<ItemRef> item = index_->Bytes(fqn);
+      if (!item) missing(fqn, "");
+      ReadRequest r;
+      r.item = *item;
+      r.size = manifest().bytes[item->index].location.length;
+      out.append(NewBytesFor(&r));
+      reqs.push_back(r);
+    }
+    WithoutGil([&] { return ReadBoxes(reader_.get(), bs, reqs, &pool); });
+    return out;
+  }
+
+  // targets: (fqn, dtype name or None for a non-tensor value, shape, address,
+  // nbytes). The plan (PlanInPlaceRead), or None.
+  std::optional<InPlacePlan> PlanInPlace(
+      const std::vector<std::tuple<std::string, std::optional<std::string>, std::vector<uint64_t>,
+                                   uintptr_t, uint64_t>>& targets) {
+    std::vector<InPlaceTarget> ts;
+    ts.reserve(targets.size());
+    for (const auto& [fqn, dtype, shape, addr, nbytes] : targets) {
+      ts.push_back({fqn, dtype.has_value(), dtype.value_or(""), shape,
+                    reinterpret_cast<void*>(addr), nbytes});
+    }
+    std::optional<std::vector<ReadRequest>> reqs = PlanInPlaceRead(manifest(), *index_, ts);
+    if (!reqs) return std::nullopt;
+    InPlacePlan plan;
+    for (size_t i = 0; i < reqs->size(); ++i) {
+      if (!ts[i].tensor) {
+        plan.values.push_back(plan.requests.size());
+      } else if ((*reqs)[i].size == 0) {
+        continue;  // an empty tensor: nothing to read
+      }
+      plan.requests.push_back((*reqs)[i]);
+    }
+    return plan;
+  }
+
+  // Reads the plan, verified, in parallel; returns the bytes of each value
+  // target, in target order.
+  nb::list LoadInPlace(const InPlacePlan& plan, ThreadPool& pool) {
+    std::vector<ReadRequest> reqs = plan.requests;
+    nb::list values;
+    for (size_t i : plan.values) values.append(NewBytesFor(&reqs[i]));
+    WithoutGil([&] { return reader_->Read(reqs, &pool); });
+    return values;
+  }
+
  private:
+  std::string uri_;
   std::unique_ptr<Storage> storage_;
   std::unique_ptr<CheckpointReader> reader_;
+  std::unique_ptr<ItemIndex> index_;  // over reader_'s manifest
 };
 
 // The (address, nbytes) buffers a data-file write takes from Python.
@@ -149,6 +246,14 @@ void RegisterCheckpoint(nb::module_& m) {
         std::vector<BufferRef> refs = BufferRefs(buffers);
         DataFileOptions opts = MakeDataFileOptions(false, false, block_size);
         DataFileResult res = WithoutGil([&]() -> Result<DataFileResult> {
+          // The staged copy is transient: gone whatever happened.
+          struct RemoveStage {
+            const std::string& uri;
+            ~RemoveStage() {
+              std::error_code ec;
+              std::filesystem::remove_all(LocalDirOfUri(uri), ec);
+            }
+          } remove_stage{stage_uri};
           CAIRN_ASSIGN_OR_RETURN(auto stage, OpenStorage(stage_uri, /*create=*/true));
           CAIRN_ASSIGN_OR_RETURN(auto target, OpenStorage(target_uri, /*create=*/true));
           CopyFileOptions copy;
@@ -168,7 +273,8 @@ void RegisterCheckpoint(nb::module_& m) {
       nb::arg("block_size") = format::kDefaultBlockSize,
       "write_data_file into `key` of the local `stage_uri`, copied to `key` of `target_uri`\n"
       "while it is being written (each range as soon as it is complete, on `copy_pool`;\n"
-      "the target synced unless sync=False). Returns write_data_file's result.");
+      "the target synced unless sync=False), then `stage_uri` is removed, also on failure.\n"
+      "Returns write_data_file's result.");
 
   m.def(
       "commit_manifest",
@@ -271,6 +377,24 @@ void RegisterCheckpoint(nb::module_& m) {
       "How two local directories (existing or not) lie: 'disjoint', 'same', 'first_inside'\n"
       "or 'second_inside' (symlinks and mounts resolved).");
 
+  m.def(
+      "chunk_byte_range",
+      [](const std::vector<int64_t>& offsets, const std::vector<int64_t>& lengths,
+         const std::vector<int64_t>& sizes, uint64_t itemsize) {
+        std::optional<ByteRange> r =
+            ValueOrThrow(ChunkByteRange(offsets, lengths, sizes, itemsize));
+        return r ? nb::make_tuple(r->offset, r->size) : nb::object(nb::none());
+      },
+      nb::arg("offsets"), nb::arg("lengths"), nb::arg("sizes"), nb::arg("itemsize"),
+      "(byte offset, nbytes) of the box offsets + lengths inside a row-major chunk of shape\n"
+      "`sizes` when it is one contiguous byte range, else None (include/cairn/read_plan.h).");
+
+  nb::class_<InPlacePlan>(m, "InPlacePlan",
+                          "CheckpointReader.plan_in_place's reads (tensors straight into "
+                          "their memory).")
+      .def_prop_ro("num_requests", [](const InPlacePlan& p) { return p.requests.size(); })
+      .def_prop_ro("num_values", [](const InPlacePlan& p) { return p.values.size(); });
+
   nb::class_<PyCheckpointReader>(m, "CheckpointReader")
       .def(nb::init<const std::string&>(), nb::arg("uri"),
            "Opens the committed checkpoint at `uri`: reads and validates the manifest and\n"
@@ -278,7 +402,19 @@ void RegisterCheckpoint(nb::module_& m) {
       .def("manifest", &PyCheckpointReader::manifest, nb::rv_policy::copy,
            "The validated Manifest (a copy).")
       .def("read", &PyCheckpointReader::Read, nb::arg("requests"), nb::arg("pool"),
-           "Reads (kind, index, chunk, address, nbytes, offset) requests in parallel, verified.");
+           "Reads (kind, index, chunk, address, nbytes, offset) requests in parallel, verified.")
+      .def("read_items", &PyCheckpointReader::ReadItems, nb::arg("boxes"), nb::arg("values"),
+           nb::arg("pool"),
+           "Reads (fqn, chunk offsets, offsets, lengths, address, nbytes) boxes of stored chunks\n"
+           "into contiguous memory and the bytes items named `values`, in parallel, verified;\n"
+           "returns the values' bytes (include/cairn/read_plan.h, ReadBoxes).")
+      .def("plan_in_place", &PyCheckpointReader::PlanInPlace, nb::arg("targets"),
+           "The InPlacePlan of (fqn, dtype or None for a value, shape, address, nbytes)\n"
+           "targets: each tensor read straight into its contiguous host memory, each value's\n"
+           "bytes read whole; None when a target is not stored so (include/cairn/read_plan.h).")
+      .def("load_in_place", &PyCheckpointReader::LoadInPlace, nb::arg("plan"), nb::arg("pool"),
+           "Carries out an InPlacePlan (parallel, verified); returns the bytes of each value\n"
+           "target, in order. The targets' memory must still be alive.");
 
   m.def(
       "verify",

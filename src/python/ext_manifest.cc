@@ -6,7 +6,9 @@
 // and out by value (a list read from `Manifest.tensors` is a copy: assign the
 // whole list back to change it). A Manifest pickles as its JSON encoding, so
 // ranks can agree on one with torch.distributed object collectives.
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <string>
@@ -59,6 +61,24 @@ void RegisterManifest(nb::module_& m) {
       .def("__setstate__", [](Manifest& self, const std::string& json) {
         new (&self) Manifest(ValueOrThrow(ManifestFromJson(json)));
       });
+
+  m.def(
+      "place_written_items",
+      [](Manifest& manifest,
+         const std::vector<
+             std::tuple<std::string, std::optional<std::vector<uint64_t>>, std::string, uint64_t,
+                        uint64_t, uint64_t, std::vector<uint64_t>>>& written) {
+        std::vector<WrittenItem> items;
+        items.reserve(written.size());
+        for (const auto& [fqn, offsets, file, file_size, offset, length, sums] : written) {
+          items.push_back({fqn, offsets.has_value(), offsets.value_or(std::vector<uint64_t>{}),
+                           file, file_size, ItemLocation{0, offset, length, sums}});
+        }
+        ThrowIfError(PlaceWrittenItems(&manifest, items));
+      },
+      nb::arg("manifest"), nb::arg("written"),
+      "Sets the manifest's files and item locations from (fqn, chunk offsets or None, file,\n"
+      "file_size, offset, length, checksums) write results (include/cairn/manifest.h).");
 
   m.def(
       "decode_manifest",

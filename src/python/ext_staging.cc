@@ -158,6 +158,16 @@ void RegisterStaging(nb::module_& m) {
       nb::arg("lengths"),
       "The slot bytes a save of items of `lengths` bytes uses (StagedSave.bytes).");
 
+  m.def(
+      "remove_stale_staging_dirs",
+      [](const std::string& parent, const std::string& prefix) {
+        nb::gil_scoped_release r;
+        return RemoveStaleStagingDirs(parent, prefix);
+      },
+      nb::arg("parent"), nb::arg("prefix"),
+      "Deletes the directories `prefix`<pid>-... below `parent` left by dead processes (no\n"
+      "file below them locked); returns how many (include/cairn/staging.h).");
+
   nb::class_<StagedSave>(m, "StagedSave",
                          "One save laid out in a staging slot (StagingPool.begin_save): item i "
                          "at offsets[i], the layout of a data file.")

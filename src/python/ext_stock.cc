@@ -3,8 +3,10 @@
 // Destinations cross as raw CPU addresses with their strides (the caller
 // keeps the tensors alive for the call); the GIL is released while bytes move.
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include "cairn/stock.h"
@@ -92,16 +94,47 @@ void RegisterStock(nb::module_& m) {
         return storage.ok() && stock::IsStockCheckpoint(storage->get());
       },
       nb::arg("uri"), "Whether `uri` is a directory holding a stock DCP metadata pickle.");
+  // The decoded metadata: read-only views that DCP's Metadata is built from.
+  nb::class_<stock::StockChunk>(m, "StockChunk")
+      .def_ro("offsets", &stock::StockChunk::offsets)
+      .def_ro("sizes", &stock::StockChunk::sizes);
+  nb::class_<stock::StockItem>(m, "StockItem")
+      .def_ro("fqn", &stock::StockItem::fqn)
+      .def_ro("is_bytes", &stock::StockItem::is_bytes)
+      .def_ro("dtype", &stock::StockItem::dtype)
+      .def_ro("layout", &stock::StockItem::layout)
+      .def_ro("requires_grad", &stock::StockItem::requires_grad)
+      .def_ro("memory_format", &stock::StockItem::memory_format)
+      .def_ro("pin_memory", &stock::StockItem::pin_memory)
+      .def_ro("size", &stock::StockItem::size)
+      .def_ro("chunks", &stock::StockItem::chunks);
+  nb::class_<stock::StockLocation>(m, "StockLocation")
+      .def_ro("fqn", &stock::StockLocation::fqn)
+      .def_ro("index_offset", &stock::StockLocation::index_offset)
+      .def_ro("index", &stock::StockLocation::index)
+      .def_ro("relative_path", &stock::StockLocation::relative_path)
+      .def_ro("offset", &stock::StockLocation::offset)
+      .def_ro("length", &stock::StockLocation::length);
+  nb::class_<stock::StockStorageMeta>(m, "StockStorageMeta")
+      .def_ro("checkpoint_id", &stock::StockStorageMeta::checkpoint_id)
+      .def_ro("save_id", &stock::StockStorageMeta::save_id)
+      .def_ro("modules", &stock::StockStorageMeta::modules);
+  nb::class_<stock::StockMetadata>(m, "StockMetadata")
+      .def_ro("state", &stock::StockMetadata::state)
+      .def_ro("locations", &stock::StockMetadata::locations)
+      .def_ro("planner_data", &stock::StockMetadata::planner_data)
+      .def_ro("storage_meta", &stock::StockMetadata::storage_meta)
+      .def_ro("version", &stock::StockMetadata::version);
   m.def(
-      "read_stock_metadata_file",
-      [](const std::string& uri, const std::string& name, uint64_t max_size) {
-        Result<std::string> raw = WithStorage<std::string>(
-            uri, false, [&](Storage* st) { return stock::ReadMetadataFile(st, name, max_size); });
-        std::string bytes = ValueOrThrow(std::move(raw));
-        return nb::bytes(bytes.data(), bytes.size());
+      "read_stock_metadata",
+      [](const std::string& uri, const std::string& name) {
+        return ValueOrThrow(WithStorage<stock::StockMetadata>(
+            uri, false, [&](Storage* st) { return stock::ReadStockMetadata(st, name); }));
       },
-      nb::arg("uri"), nb::arg("name"), nb::arg("max_size"),
-      "The bytes of a stock checkpoint's metadata file, bounded, no symlink, no FIFO.");
+      nb::arg("uri"), nb::arg("name"),
+      "Reads and validates the metadata file `name` of the stock checkpoint at `uri` with the\n"
+      "engine's restricted pickle reader (nothing is unpickled). CorruptionError for a\n"
+      "hostile or malformed file, NotFoundError when it is missing.");
   m.def(
       "decode_stock_tensor",
       [](nb::handle buffer, const std::string& where,

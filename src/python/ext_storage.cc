@@ -50,6 +50,16 @@ void RegisterStorage(nb::module_& m) {
       "The local directory the storage at `uri` is (or would be) rooted at, without I/O; "
       "'' when it has none (s3, mem, fault, slow).");
 
+  m.def(
+      "check_checkpoint_uri",
+      [](const std::string& uri) {
+        ThrowIfError(CheckCheckpointUri(uri));
+        return uri;
+      },
+      nb::arg("uri"),
+      "Returns `uri` if it can name a checkpoint (a path, file://, shm://, s3://, fault://);\n"
+      "InvalidArgumentError otherwise.");
+
   nb::class_<PyStorage>(m, "Storage",
                         "A storage backend opened with open_storage(uri). Keys are relative, "
                         "'/'-separated and never leave the root.")

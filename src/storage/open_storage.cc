@@ -41,4 +41,14 @@ std::string LocalDirOfUri(std::string_view uri) {
   return std::string(uri);
 }
 
+Status CheckCheckpointUri(std::string_view uri) {
+  if (uri.empty()) return InvalidArgumentError("invalid checkpoint path ''");
+  size_t scheme = uri.find("://");
+  if (scheme == std::string_view::npos) return Status::OK();
+  for (std::string_view ok : {"file", "shm", "fault", "s3"}) {
+    if (uri.substr(0, scheme) == ok) return Status::OK();
+  }
+  return InvalidArgumentError("unsupported checkpoint URI scheme: " + std::string(uri));
+}
+
 }  // namespace cairn

@@ -131,6 +131,31 @@ def test_is_stock_checkpoint(stock, tmp_path):
     assert not is_stock_checkpoint(_data_file(stock))
 
 
+def test_metadata_decodes_to_what_trusted_unpickling_gives(tmp_path):
+    """The engine's restricted decoder yields the same DCP Metadata as
+    pickle.load of our own (trusted) checkpoint, across dtypes, shapes,
+    nested keys, lists and non-tensor values, for pickle protocols 2 to 5."""
+    path = tmp_path / "stock"
+    sd = {**_state(), "nested": {"x": torch.ones(2, 3, dtype=torch.float16).t(),
+                                 "l": [torch.zeros(0, 2), torch.tensor(7, dtype=torch.int8)]},
+          "blob": io.BytesIO(b"raw")}
+    dcp.save(sd, checkpoint_id=str(path))
+    want = pickle.loads((path / ".metadata").read_bytes())  # trusted: we wrote it
+    for protocol in (2, 3, 4, 5):
+        (path / ".metadata").write_bytes(pickle.dumps(want, protocol=protocol))
+        got = read_stock_metadata(path)
+        assert got.state_dict_metadata == want.state_dict_metadata
+        assert got.planner_data == want.planner_data
+        assert got.storage_data == want.storage_data
+        assert [(k.fqn, k.offset, k.index) for k in got.storage_data] == [
+            (k.fqn, k.offset, k.index) for k in want.storage_data]
+        assert got.version == want.version
+        for field in ("checkpoint_id", "save_id", "modules"):
+            have = getattr(got.storage_meta, field)
+            expected = getattr(want.storage_meta, field)
+            assert have == (str(expected) if field == "checkpoint_id" else expected)
+
+
 def test_missing_metadata_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         read_stock_metadata(tmp_path)
