@@ -35,7 +35,7 @@ stall vs a steady one, its extra memory vs the state, memory-tier restore vs the
 copy floor, memory- vs disk-tier restore) and
 writes JSON (default bench/results/checkpoint.json).
 
-Layout: a floor is a function ``(ctx) -> (seconds, bytes)`` in FLOORS, a peer
+Layout: a floor function ``(ctx) -> {name: (seconds, bytes)}`` is in FLOORS, a peer
 is a ``Peer`` with one (optional) function per operation in PEERS (``save``,
 ``load``, ``stall``: one save of a repeated series, ``restore``); each function
 times one repetition itself, so a new operation is a new Peer field and rows,
@@ -70,11 +70,10 @@ from cairn._measure import (  # noqa: E402  - shared with `cairn bench`
     Sample,
     build_state,
     copy_floor,
-    floor_direct_read,
-    floor_direct_write,
+    drop_caches,
+    floor_direct_io,
     floor_memcpy,
     floor_tensor_copy,
-    fsync_dir,
     like,
     remove,
     same,
@@ -114,15 +113,20 @@ class Context:
 
     def cold(self) -> None:
         """Makes the next read cold: flush dirty pages, drop the page cache."""
-        os.sync()
         if not self.drop_caches:
-            return
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
+            os.sync()
+        elif drop_caches():
             self.dropped = True
-        except OSError:
+        else:
             self.drop_caches = False  # not permitted: reads are warm; reported
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------- memory
@@ -193,15 +197,21 @@ class MemSampler:
 # --------------------------------------------------------------------------- floors
 
 
-# Each floor runs once per repetition and returns (seconds, bytes moved).
+# Each floor function runs once per repetition and returns {floor: (seconds, bytes
+# moved)}; the memcpy and direct-I/O floors run in C++ (include/cairn/floors.h).
 # The copy floor of the stall and the memory-tier restore is the faster of memcpy and
-# Tensor.copy_ (cairn._measure.copy_floor); the read floor is parallel O_DIRECT reads.
-FLOORS: dict[str, Callable[[Context], tuple[float, int]]] = {
-    "memcpy": floor_memcpy,
-    "Tensor.copy_": floor_tensor_copy,
-    "direct-I/O write": floor_direct_write,
-    "direct-I/O read": floor_direct_read,
-}
+# Tensor.copy_ (cairn._measure.copy_floor); the read floor is parallel O_DIRECT reads
+# of the file the write floor wrote (then removed).
+def direct_io_floors(ctx: Context) -> dict[str, tuple[float, int]]:
+    write, read = floor_direct_io(ctx)
+    return {"direct-I/O write": write, "direct-I/O read": read}
+
+
+FLOORS: list[Callable[[Context], dict[str, tuple[float, int]]]] = [
+    lambda ctx: {"memcpy": floor_memcpy(ctx)},
+    lambda ctx: {"Tensor.copy_": floor_tensor_copy(ctx)},
+    direct_io_floors,
+]
 
 
 # --------------------------------------------------------------------------- peers
@@ -453,10 +463,10 @@ def run_all(ctx: Context, peer_names: list[str]):
         print(flush=True)
     for rep in range(ctx.reps):
         print(f"rep {rep + 1}/{ctx.reps}:", end="", flush=True)
-        for name, fn in FLOORS.items():
-            seconds, n = fn(ctx)
-            floors.setdefault(name, Sample([], n)).seconds.append(seconds)
-            print(f" {name} {seconds:.2f}s", end="", flush=True)
+        for fn in FLOORS:
+            for name, (seconds, n) in fn(ctx).items():
+                floors.setdefault(name, Sample([], n)).seconds.append(seconds)
+                print(f" {name} {seconds:.2f}s", end="", flush=True)
         for name in peer_names:
             peer = PEERS[name]
             ops = peers.setdefault(name, {})

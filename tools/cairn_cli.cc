@@ -8,6 +8,8 @@
 //                           (and aborts stale unfinished S3 uploads)
 //   cairn ls --memory       this node's memory tiers: size, step, run root, owner
 //   cairn gc                deletes orphaned memory tiers (memory_commands.cc)
+//   cairn floors DIR        this machine's memcpy, O_DIRECT write and parallel
+//                           O_DIRECT read floors on DIR (floors_command.cc)
 //   cairn drill ROOT        restore drill: loads the newest checkpoint in fresh torch
 //                           processes and verifies it (python -m cairn.drill)
 //   cairn bench PATH        quick checkpoint benchmark of PATH's storage
@@ -38,6 +40,7 @@
 
 #include "cairn/checkpoint.h"
 #include "cairn/memory_tier.h"
+#include "floors_command.h"
 #include "memory_commands.h"
 
 namespace {
@@ -299,6 +302,20 @@ int main(int argc, char** argv) {
   prune->add_option("--stale-uploads", stale_uploads_s,
                     "abort unfinished uploads (s3) older than this many seconds; -1: never");
 
+  cairn::cli::FloorsCommandOptions fl;
+  uint64_t floor_mb = fl.bytes >> 20;
+  bool no_drop = false;
+  auto* floors = app.add_subcommand(
+      "floors", "memcpy, O_DIRECT write and parallel O_DIRECT read floors on a local directory");
+  floors->add_option("DIR", fl.path, "local directory (or file://DIR) on the disk to measure")
+      ->required();
+  floors->add_option("--size-mb", floor_mb, "MiB per floor (default 1024)")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 24));
+  floors->add_option("--reps", fl.reps, "repetitions, medians (default 3)")
+      ->check(CLI::Range(1, 1000));
+  floors->add_flag("--json", fl.as_json, "print the figures as JSON");
+  floors->add_flag("--no-drop-caches", no_drop, "do not drop the page cache before reads");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -314,6 +331,11 @@ int main(int argc, char** argv) {
   if (*inspect) return CmdInspect(path, as_json);
   if (*verify) return CmdVerify(path, threads);
   if (*cp) return CmdCp(src, dst, threads, verify_dst);
+  if (*floors) {
+    fl.bytes = floor_mb << 20;
+    fl.drop_caches = !no_drop;
+    return cairn::cli::CmdFloors(fl);
+  }
   if (*prune) return CmdPrune(root, keep, partials, dry_run, stale_uploads_s);
   return 2;
 }

@@ -4,45 +4,32 @@ The reference state, repeated timings, and the machine's floors: the copy floor
 (the faster of a single-threaded memcpy of the whole state into a pre-faulted
 buffer and torch's own ``Tensor.copy_`` of the same tensors into pre-faulted ones)
 and the disk's direct-I/O floors (an O_DIRECT write, and fio-style parallel
-O_DIRECT reads: ``READ_STREAMS`` threads, each with its own aligned 16 MiB buffer,
-reading interleaved 16 MiB blocks of one file, what ``fio --rw=read --direct=1
---numjobs=8 --offset_increment`` does; our own reader, so no fio is needed).
+O_DIRECT reads). The memcpy and direct-I/O floors run in C++ without the GIL
+(``include/cairn/floors.h`` says what each one times); only torch's own copy is
+measured here.
 
-A floor is a function ``(ctx) -> (seconds, bytes)``, where ``ctx`` has ``nbytes``,
-``state``, ``scratch`` (a local directory) and ``cold()`` (drops the page cache
-where permitted).
+A floor is a function ``(ctx) -> (seconds, bytes)`` (the direct-I/O floors, one
+file written then read: ``(ctx) -> (write, read)``), where ``ctx`` has ``nbytes``,
+``state``, ``scratch`` (a local directory), ``drop_caches`` (whether to try to
+drop the page cache before reads) and ``dropped`` (set when a drop succeeded).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import math
-import mmap
-import os
 import shutil
 import statistics
-import threading
 import time
 from pathlib import Path
 
 import torch
 
+from cairn import _ext
+
 GB = 1e9
-DIRECT_CHUNK = 16 << 20
-READ_STREAMS = 8
-
-try:
-    _LIBC = ctypes.CDLL(None)
-    _MALLOC_TRIM = _LIBC.malloc_trim
-except (OSError, AttributeError):  # not glibc
-    _MALLOC_TRIM = None
-
-
-def trim() -> None:
-    """Returns freed heap pages to the system (glibc), so memory figures are honest."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+trim = _ext.trim_heap  # returns freed heap pages to the system, so memory figures are honest
+drop_caches = _ext.drop_caches  # sync, then drops the page cache; False when not permitted
 
 
 # --------------------------------------------------------------------------- state
@@ -106,10 +93,6 @@ def same(a, b) -> bool:
     return len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb))
 
 
-def state_bytes(state) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors(state))
-
-
 @dataclasses.dataclass
 class Sample:
     """Repeated timings of one operation moving ``nbytes``."""
@@ -137,48 +120,10 @@ def remove(path: Path) -> None:
         path.unlink()
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def drop_caches() -> bool:
-    """sync, then drops the page cache; False when not permitted."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-# --------------------------------------------------------------------------- floors
-
-
-def _aligned_buffer(size: int) -> mmap.mmap:
-    buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
-    chunk = os.urandom(1 << 20)
-    for off in range(0, size, len(chunk)):
-        buf[off: off + len(chunk)] = chunk[: size - off]
-    return buf
-
-
 def floor_memcpy(ctx) -> tuple[float, int]:
     """One single-threaded memcpy of as many bytes as the whole state between two
     pre-faulted buffers."""
-    n = ctx.nbytes
-    src = torch.empty(n, dtype=torch.uint8).fill_(7)
-    dst = torch.empty(n, dtype=torch.uint8).fill_(0)
-    t0 = time.perf_counter()
-    ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
-    seconds = time.perf_counter() - t0
-    del src, dst
-    trim()
-    return seconds, n
+    return _ext.memcpy_floor(ctx.nbytes)
 
 
 def floor_tensor_copy(ctx) -> tuple[float, int]:
@@ -195,77 +140,13 @@ def floor_tensor_copy(ctx) -> tuple[float, int]:
     return seconds, ctx.nbytes
 
 
-def _direct_file(ctx) -> tuple[Path, int]:
-    n = (ctx.nbytes + DIRECT_CHUNK - 1) // DIRECT_CHUNK * DIRECT_CHUNK
-    return Path(ctx.scratch) / "direct-io.bin", n
-
-
-def floor_direct_write(ctx) -> tuple[float, int]:
-    """O_DIRECT sequential writes of 16 MiB from an aligned buffer, then fsync;
-    as many bytes as the state (rounded up to 16 MiB)."""
-    path, n = _direct_file(ctx)
-    buf = _aligned_buffer(DIRECT_CHUNK)
-    remove(path)
-    os.sync()
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    try:
-        for off in range(0, n, DIRECT_CHUNK):
-            if os.pwrite(fd, buf, off) != DIRECT_CHUNK:
-                raise OSError("short direct write")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fsync_dir(path.parent)
-    seconds = time.perf_counter() - t0
-    buf.close()
-    return seconds, n
-
-
-def parallel_direct_read(path: Path, n: int, streams: int = READ_STREAMS) -> float:
-    """Seconds to read the first `n` bytes (a multiple of 16 MiB) of `path` with
-    O_DIRECT by `streams` threads, each reading every `streams`-th 16 MiB block
-    into its own aligned buffer (os.preadv releases the GIL)."""
-    errors: list[BaseException] = []
-    bufs = [_aligned_buffer(DIRECT_CHUNK) for _ in range(streams)]
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    start = threading.Barrier(streams + 1)
-
-    def run(i: int) -> None:
-        start.wait()
-        try:
-            for off in range(i * DIRECT_CHUNK, n, streams * DIRECT_CHUNK):
-                if os.preadv(fd, [bufs[i]], off) != DIRECT_CHUNK:
-                    raise OSError("short direct read")
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
-    try:
-        for t in threads:
-            t.start()
-        start.wait()
-        t0 = time.perf_counter()
-        for t in threads:
-            t.join()
-        seconds = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-        for b in bufs:
-            b.close()
-    if errors:
-        raise errors[0]
-    return seconds
-
-
-def floor_direct_read(ctx) -> tuple[float, int]:
-    """Parallel O_DIRECT reads (see the module docstring), cold, of the file the
-    write floor just wrote (then removed)."""
-    path, n = _direct_file(ctx)
-    ctx.cold()
-    seconds = parallel_direct_read(path, n)
-    remove(path)
-    return seconds, n
+def floor_direct_io(ctx) -> tuple[tuple[float, int], tuple[float, int]]:
+    """(write, read): O_DIRECT writes of a file as large as the state (rounded up to
+    16 MiB) in ``ctx.scratch``, then parallel O_DIRECT reads of it, cold when the
+    page cache can be dropped; the file is removed, even on error."""
+    r = _ext.direct_io_floors(str(ctx.scratch), ctx.nbytes, drop_caches=ctx.drop_caches)
+    ctx.dropped = ctx.dropped or r["cold"]
+    return (r["write_s"], r["bytes"]), (r["read_s"], r["bytes"])
 
 
 def copy_floor(floors: dict[str, Sample]) -> tuple[str, Sample]:

@@ -30,6 +30,7 @@ import os
 import sys
 import tempfile
 import time
+import types
 import uuid
 import warnings
 from pathlib import Path
@@ -43,19 +44,6 @@ _TARGETS = {
 }
 
 
-class _Ctx:
-    """What the floors of cairn._measure need."""
-
-    def __init__(self, state, nbytes: int, scratch: Path | None):
-        self.state, self.nbytes, self.scratch = state, nbytes, scratch
-        self.dropped = False
-
-    def cold(self) -> None:
-        from cairn._measure import drop_caches
-
-        self.dropped = drop_caches() or self.dropped
-
-
 def _progress(msg: str) -> None:
     print(f"cairn bench: {msg}", file=sys.stderr, flush=True)
 
@@ -66,24 +54,6 @@ def _local_dir(path: str) -> Path | None:
     return None if "://" in path else Path(path)
 
 
-def _delete_tree(uri: str) -> None:
-    """Removes everything below the URI `uri` (used for non-local targets)."""
-    from cairn import _ext
-
-    st = _ext.open_storage(uri, create=False)
-
-    def rm(d: str) -> None:
-        for name, is_dir, _ in st.list(d):
-            key = f"{d}/{name}" if d else name
-            if is_dir:
-                rm(key)
-                st.delete_dir(key)
-            else:
-                st.delete_file(key)
-
-    rm("")
-
-
 def run(path: str, size_gb: float = 0.5, reps: int = 3, layers: int = 16) -> dict:
     """Measures (see the module docstring); returns {"meta", "figures", "ratios"}."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -91,7 +61,7 @@ def run(path: str, size_gb: float = 0.5, reps: int = 3, layers: int = 16) -> dic
     import torch.distributed.checkpoint as dcp
 
     import cairn
-    from cairn import _measure as m
+    from cairn import _ext, _measure as m
 
     local = _local_dir(path)
     if local is not None:
@@ -100,22 +70,22 @@ def run(path: str, size_gb: float = 0.5, reps: int = 3, layers: int = 16) -> dic
         target = str(scratch)
     else:
         scratch = None
-        target = path.rstrip("/") + f"/cairn-bench-{uuid.uuid4().hex[:12]}"
+        prefix = f"cairn-bench-{uuid.uuid4().hex[:12]}"
+        target = path.rstrip("/") + "/" + prefix
     load_before = os.getloadavg()
     _progress(f"building a {size_gb:g} GB state")
     state = m.build_state(size_gb, layers=layers)
     ts = m.tensors(state)
     nbytes = sum(t.numel() * t.element_size() for t in ts)
-    ctx = _Ctx(state, nbytes, scratch)
+    # What the floors of cairn._measure need.
+    ctx = types.SimpleNamespace(state=state, nbytes=nbytes, scratch=scratch, drop_caches=True,
+                                dropped=False)
     samples: dict[str, m.Sample] = {}
 
     def add(name: str, seconds: float, n: int = nbytes) -> None:
         samples.setdefault(name, m.Sample([], n)).seconds.append(seconds)
 
     floors = [("memcpy", m.floor_memcpy), ("Tensor.copy_", m.floor_tensor_copy)]
-    if scratch is not None:
-        floors += [("direct write", m.floor_direct_write),
-                   ("parallel direct read", m.floor_direct_read)]
     mgr = None
     first_stall = None
     try:
@@ -135,6 +105,11 @@ def run(path: str, size_gb: float = 0.5, reps: int = 3, layers: int = 16) -> dic
                 _progress(f"rep {rep + 1}/{reps}: floor {name}")
                 seconds, n = fn(ctx)
                 add(name, seconds, n)
+            if scratch is not None:
+                _progress(f"rep {rep + 1}/{reps}: floors direct write, parallel direct read")
+                (write_s, n), (read_s, _) = m.floor_direct_io(ctx)
+                add("direct write", write_s, n)
+                add("parallel direct read", read_s, n)
             _progress(f"rep {rep + 1}/{reps}: save")
             uri = f"{target}/ckpt"
             t0 = time.perf_counter()
@@ -142,7 +117,7 @@ def run(path: str, size_gb: float = 0.5, reps: int = 3, layers: int = 16) -> dic
             add("save", time.perf_counter() - t0)
             _progress(f"rep {rep + 1}/{reps}: load")
             dest = m.like(state)
-            ctx.cold()
+            ctx.dropped = _ext.drop_caches() or ctx.dropped  # a cold load where permitted
             t0 = time.perf_counter()
             dcp.load(dest, storage_reader=cairn.Reader(uri))
             add("load", time.perf_counter() - t0)
@@ -170,8 +145,8 @@ def run(path: str, size_gb: float = 0.5, reps: int = 3, layers: int = 16) -> dic
         if scratch is not None:
             m.remove(scratch)
         else:
-            try:
-                _delete_tree(target)
+            try:  # the scratch prefix and everything below it, on every backend
+                _ext.open_storage(path, create=False).delete_dir(prefix)
             except Exception as e:  # noqa: BLE001 - reported, not fatal
                 _progress(f"could not remove {target}: {e}")
 

@@ -117,5 +117,7 @@ void RegisterTiers(nanobind::module_& m);
 void RegisterStock(nanobind::module_& m);
 void RegisterReplication(nanobind::module_& m);
 void RegisterValues(nanobind::module_& m);
+void RegisterFloors(nanobind::module_& m);
+void RegisterData(nanobind::module_& m);
 
 }  // namespace cairn::python

@@ -33,4 +33,6 @@ NB_MODULE(_ext, m) {
   cairn::python::RegisterStock(m);
   cairn::python::RegisterReplication(m);
   cairn::python::RegisterValues(m);
+  cairn::python::RegisterFloors(m);
+  cairn::python::RegisterData(m);
 }

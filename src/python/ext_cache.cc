@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "cairn/cache.h"
+#include "cairn/partition.h"
 #include "common.h"
 #include "struct_fields.h"
 #include "without_gil.h"
@@ -118,6 +119,31 @@ void RegisterCache(nb::module_& m) {
             WithoutGil([&] { return c->SetPlan(std::move(o), std::move(n), std::move(p)); });
           },
           nb::arg("order"), nb::arg("next_order"), nb::arg("positions"))
+      .def(
+          "set_epoch_plan",
+          [](PyFileCache& self, IdArray order, IdArray next_order, int64_t start,
+             int64_t world_size, int64_t rank, bool drop_last, int64_t num_workers,
+             int64_t worker_id, int64_t batch_size) {
+            if (world_size < 1) ThrowIfError(InvalidArgumentError("world_size must be >= 1"));
+            int64_t n = static_cast<int64_t>(order.shape(0));
+            std::vector<int64_t> padded =
+                Padded({order.data(), order.shape(0)}, EpochEnd(n, start, world_size, drop_last));
+            std::vector<int64_t> positions =
+                WorkerPositions(RankPositions(n, start, world_size, rank, drop_last), num_workers,
+                                worker_id, batch_size);
+            auto next = ToVector(next_order);
+            FileCache* c = Live(self);
+            WithoutGil([&] {
+              return c->SetPlan(std::move(padded), std::move(next), std::move(positions));
+            });
+            return c->PlanSize();
+          },
+          nb::arg("order"), nb::arg("next_order"), nb::arg("start"), nb::arg("world_size"),
+          nb::arg("rank"), nb::arg("drop_last"), nb::arg("num_workers"), nb::arg("worker_id"),
+          nb::arg("batch_size"),
+          "set_plan for the part of the epoch `order` (from position `start`) that DataLoader "
+          "worker `worker_id` of `rank` produces (cairn/partition.h); returns the plan size.")
+      .def("plan_size", [](PyFileCache& self) { return Live(self)->PlanSize(); })
       .def("plan_file", [](PyFileCache& self, size_t i) { return Live(self)->PlanFile(i); })
       .def(
           "acquire",

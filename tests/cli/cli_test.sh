@@ -124,4 +124,18 @@ expect_rc 0 "ls with a FIFO data file" "$cairn" ls "$dir/h"
 # (Crafted chunk maps and extra sections are tested in tests/cpp/format_test.cc
 # and tests/python/test_hostile_input.py.)
 
+# floors: the three figures on a local directory, nothing left behind; a URI
+# without a local directory is a usage error.
+mkdir -p "$dir/fl"
+expect_rc 0 "floors" "$cairn" floors "$dir/fl" --size-mb 20 --reps 2 --no-drop-caches
+for f in memcpy "direct write" "parallel direct read"; do
+  echo "$out" | grep -Eq "^$f +[0-9.]+ +[0-9.]+$" || fail "floors $f: $out"
+done
+expect_rc 0 "floors --json" "$cairn" floors "file://$dir/fl" --size-mb 1 --reps 1 --json \
+  --no-drop-caches
+echo "$out" | grep -q '"bytes": 16777216' || fail "floors --json rounds to 16 MiB: $out"
+[ -z "$(ls -A "$dir/fl")" ] || fail "floors left files behind: $(ls -A "$dir/fl")"
+expect_rc 2 "floors of an s3 URI" "$cairn" floors s3://bucket/prefix
+expect_rc 2 "floors of a missing directory" "$cairn" floors "$dir/absent"
+
 echo "cli ok"

@@ -21,7 +21,8 @@ Partitioning slices what remains of the epoch, from position ``start``:
 So after ``t`` batches on every rank, positions ``< start + t * batch_size *
 world_size`` are consumed, whatever the world size or number of workers, and
 a run resumed with another world size or ``num_workers`` continues the same
-global order.
+global order. The position arithmetic is C++ (``include/cairn/partition.h``);
+the order stays a numpy permutation, so it never changes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ import os
 
 import numpy as np
 
+# The position arithmetic (include/cairn/partition.h, int64 numpy arrays):
+# per_rank(n, start, world_size, drop_last), epoch_end(...), rank_positions(n,
+# start, world_size, rank, drop_last), worker_positions(rank_pos, num_workers,
+# worker_id, batch_size), padded(order, length).
+from cairn._ext import epoch_end, padded, per_rank, rank_positions, worker_positions  # noqa: F401
+
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     """The global order of ``n`` items for ``epoch`` (int64 indices)."""
@@ -37,42 +44,6 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         return np.arange(n, dtype=np.int64)
     gen = np.random.Generator(np.random.PCG64([int(seed) & (2**63 - 1), int(epoch)]))
     return gen.permutation(n).astype(np.int64)
-
-
-def per_rank(n: int, start: int, world_size: int, drop_last: bool) -> int:
-    """Samples each rank gets in the rest of an epoch that begins at ``start``."""
-    remaining = n - start
-    if remaining <= 0 or n == 0:
-        return 0
-    if drop_last:
-        return remaining // world_size
-    return -(-remaining // world_size)
-
-
-def epoch_end(n: int, start: int, world_size: int, drop_last: bool) -> int:
-    """The position reached when the epoch is complete."""
-    return start + per_rank(n, start, world_size, drop_last) * world_size
-
-
-def rank_positions(n: int, start: int, world_size: int, rank: int, drop_last: bool) -> np.ndarray:
-    """Global positions of ``rank``'s samples, in its consumption order."""
-    k = per_rank(n, start, world_size, drop_last)
-    return start + rank + world_size * np.arange(k, dtype=np.int64)
-
-
-def worker_positions(
-    rank_pos: np.ndarray, num_workers: int, worker_id: int, batch_size: int
-) -> np.ndarray:
-    """The part of a rank's positions that worker ``worker_id`` produces."""
-    j = np.arange(len(rank_pos), dtype=np.int64)
-    return rank_pos[(j // max(1, batch_size)) % max(1, num_workers) == worker_id]
-
-
-def padded(order: np.ndarray, length: int) -> np.ndarray:
-    """``order`` extended to ``length`` entries by wrapping around."""
-    if length <= len(order) or len(order) == 0:
-        return order
-    return order[np.arange(length, dtype=np.int64) % len(order)]
 
 
 def world() -> tuple[int, int]:

@@ -10,7 +10,8 @@ whose pipe they all hold, stays too. With ``fork``, torch's watchdog notices wit
 about 5 s, but only if the worker gets back to its loop (a worker hung in a lock
 inherited from a threaded trainer never does).
 
-What cairn does, in every worker, before the user's ``worker_init_fn``:
+What cairn does (in C++, ``include/cairn/worker_lifetime.h``), in every worker,
+before the user's ``worker_init_fn``:
   * a watchdog thread blocks on a pidfd of the trainer process (``pidfd_open``; it
     polls ``getppid`` where pidfds are missing) and kills its own process at once
     when the trainer is gone. A pidfd refers to the whole process, so it does not
@@ -28,92 +29,24 @@ What cairn does, in every worker, before the user's ``worker_init_fn``:
 
 from __future__ import annotations
 
-import ctypes
 import os
-import select
-import signal
 import threading
 from typing import Any, Callable
 
-_PR_SET_PDEATHSIG = 1
+from cairn import _ext
 
-# Set while cairn's DataLoader starts workers: (trainer pid, forking thread id).
-_arming: tuple[int, int] | None = None
-_libc: Any = None
-
-
-def _set_pdeathsig() -> bool:
-    global _libc
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        return _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _after_fork_in_child() -> None:
-    arming = _arming
-    # In the child, the only thread is the one that forked.
-    if arming is None or threading.get_ident() != arming[1]:
-        return
-    _set_pdeathsig()
-    if os.getppid() != arming[0]:  # the trainer died before prctl: too late for it
-        _die()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_ext.after_fork_in_child)
 
 
 class arm_fork:
     """Context manager around the creation of workers by ``fork``."""
 
     def __enter__(self) -> None:
-        global _arming
         if threading.current_thread() is threading.main_thread():
-            _arming = (os.getpid(), threading.get_ident())
+            _ext.arm_forked_children(os.getpid())
 
     def __exit__(self, *exc: Any) -> None:
-        global _arming
-        _arming = None
-
-
-def _watch(trainer_pid: int) -> None:
-    """Kills this process as soon as the trainer process is gone."""
-    try:
-        fd = os.pidfd_open(trainer_pid)
-    except ProcessLookupError:
-        _die()
-        return
-    except (AttributeError, OSError):
-        fd = -1
-    if fd >= 0:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        while not poller.poll():
-            pass
-        _die()
-        return
-    import time
-
-    while True:  # no pidfds: re-parenting means the trainer died
-        if os.getppid() != trainer_pid and not _alive(trainer_pid):
-            _die()
-        time.sleep(0.5)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+        _ext.arm_forked_children(0)
 
 
 class WorkerInit:
@@ -125,12 +58,7 @@ class WorkerInit:
         self.user_fn = user_fn
 
     def __call__(self, worker_id: int) -> None:
-        if os.getppid() != self.trainer_pid:
-            _set_pdeathsig()  # the parent is a forkserver: its only thread forked us
-        if not _alive(self.trainer_pid):
-            _die()
-        threading.Thread(target=_watch, args=(self.trainer_pid,), name="cairn-trainer-watchdog",
-                         daemon=True).start()
+        _ext.tie_worker_to_trainer(self.trainer_pid)
         if self.user_fn is not None:
             self.user_fn(worker_id)
 

@@ -3,9 +3,10 @@
 Each DataLoader worker process (or the main process when ``num_workers=0``)
 runs its own C++ ``FileCache`` engine (``cairn._ext.FileCache``; protocol in
 ``src/cache/file_cache.cc``) over one shared cache directory. At the start of
-each iteration the worker computes which global positions it will produce
-(``_partition``), hands the engine that plan plus the order of this epoch and
-the next (for Belady eviction), and then yields the local path of each file as
+each iteration the worker hands the engine the order of this epoch and the
+next (for Belady eviction) and its slice of the epoch (start, rank, worker;
+the engine works out the positions it will produce, ``cairn/partition.h``),
+and then yields the local path of each file as
 the engine delivers it; the engine prefetches ahead on its own threads while
 training computes.
 
@@ -30,7 +31,6 @@ import warnings
 import weakref
 from typing import Any, Callable
 
-import numpy as np
 import torch.utils.data
 
 from cairn import _ext
@@ -219,10 +219,6 @@ class CachedFileDataset(torch.utils.data.IterableDataset):
         n = len(self.keys)
         ws, rank, bs = p["world_size"], p["rank"], p["batch_size"]
         order = _partition.epoch_order(n, self.seed, p["epoch"], self.shuffle)
-        end = _partition.epoch_end(n, p["start"], ws, self.drop_last)
-        order = _partition.padded(order, end)
-        rank_pos = _partition.rank_positions(n, p["start"], ws, rank, self.drop_last)
-        positions = _partition.worker_positions(rank_pos, nw, wid, bs)
         next_order = _partition.epoch_order(n, self.seed, p["epoch"] + 1, self.shuffle)
         pin_window = max(1, self.pin_window or p["pin_window"])
         # Every consumer of the node must be able to hold its pins plus the
@@ -247,15 +243,17 @@ class CachedFileDataset(torch.utils.data.IterableDataset):
             )
             pin_window = max(1, fit)
         eng = self.engine(p["consumers"])
-        eng.set_plan(order, next_order, np.ascontiguousarray(positions, dtype=np.int64))
-        return self._generate(eng, order, positions, pin_window)
+        # The part of the epoch this worker of this rank produces (cairn/partition.h).
+        size = eng.set_epoch_plan(order, next_order, p["start"], ws, rank, self.drop_last, nw,
+                                  wid, bs)
+        return self._generate(eng, size, pin_window)
 
-    def _generate(self, eng, order, positions, pin_window):
+    def _generate(self, eng, size, pin_window):
         pinned: collections.deque[int] = collections.deque()
         try:
-            for i in range(len(positions)):
+            for i in range(size):
                 path = eng.acquire(i)
-                pinned.append(int(order[positions[i]]))
+                pinned.append(eng.plan_file(i))
                 item = self.transform(path) if self.transform is not None else path
                 while len(pinned) > pin_window:
                     eng.release(pinned.popleft())

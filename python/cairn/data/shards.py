@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch.utils.data
 
+from cairn import _ext
 from cairn.data import _partition
 
 # The position of the iterator running in this process (one per DataLoader
@@ -45,18 +46,9 @@ _CURRENT: dict = {}
 
 def collapse_work(work: list, progress: list, num_slots: int) -> list:
     """Re-deals the remaining work of ``work`` (dealt over ``len(progress)``
-    slots, each at ``(done, offset)``) as a fresh work list."""
-    old = len(progress)
-    in_progress, untouched = [], []
-    for s in range(old):
-        seq = work[s::old]
-        done, off = progress[s]
-        if done < len(seq):
-            shard, base = seq[done]
-            in_progress.append([shard, base + off])
-            untouched.extend((s + old * k, item) for k, item in enumerate(seq[done + 1 :], done + 1))
-    untouched.sort(key=lambda t: t[0])
-    return in_progress + [list(item) for _, item in untouched]
+    slots, each at ``(done, offset)``) as a fresh work list (the same for any
+    ``num_slots``): include/cairn/partition.h's CollapseWork."""
+    return _ext.collapse_work(work, progress)
 
 
 class ShardDataset(torch.utils.data.IterableDataset):
@@ -107,10 +99,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
         """(work, progress) for ``epoch`` dealt over ``num_slots`` slots."""
         r = self._resume
         if r is not None and r["epoch"] == epoch:
-            if len(r["progress"]) == num_slots:
-                return [list(w) for w in r["work"]], [list(p) for p in r["progress"]]
-            work = collapse_work(r["work"], r["progress"], num_slots)
-            return work, [[0, 0] for _ in range(num_slots)]
+            return _ext.resume_work(r["work"], r["progress"], num_slots)
         order = _partition.epoch_order(len(self.shards), self.seed, epoch, self.shuffle)
         return [[int(i), 0] for i in order], [[0, 0] for _ in range(num_slots)]
 
