@@ -40,7 +40,6 @@ from cairn._stock_reader import (
     StockReader,
     _local_path,
     check_value_is_safe,
-    is_stock_checkpoint,
     read_stock_metadata,
 )
 from cairn.errors import CorruptionError, InvalidArgumentError
@@ -217,13 +216,12 @@ class FileSystemStockReader(FileSystemReader):
                     f.result()
             finally:
                 concurrent.futures.wait(futures)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return is_stock_checkpoint(checkpoint_id)
+    # The same directories as cairn's StockReader.
+    validate_checkpoint_id = StockReader.validate_checkpoint_id
 
     # -- internals ---------------------------------------------------------
 

@@ -163,9 +163,7 @@ class ReplicaStore {
   // Takes the replica tier's lease when there is more than one node and K > 0
   // or the tier exists already.
   static Result<std::unique_ptr<ReplicaStore>> Open(ReplicaStoreOptions opts);
-  ~ReplicaStore();  // Close(), ignoring errors
-  ReplicaStore(const ReplicaStore&) = delete;
-  ReplicaStore& operator=(const ReplicaStore&) = delete;
+  ~ReplicaStore();  // Close(), ignoring errors; not copyable (s_ is its own)
 
   const ReplicaPlacement& placement() const { return placement_; }
   const std::string& dir() const { return opts_.dir; }

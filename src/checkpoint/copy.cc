@@ -14,9 +14,11 @@
 
 #include "cairn/checkpoint.h"
 #include "checkpoint/io_util.h"
+#include "storage/local_path.h"
 
 namespace cairn {
 
+using internal::JoinComponents;
 using internal::kIoPiece;
 using internal::OpenDataFile;
 using internal::Where;
@@ -33,22 +35,7 @@ struct ResolvedDir {
 };
 
 std::vector<std::string> Components(std::string_view path) {
-  std::vector<std::string> out;
-  size_t pos = 0;
-  while (pos <= path.size()) {
-    size_t slash = path.find('/', pos);
-    if (slash == std::string_view::npos) slash = path.size();
-    std::string c(path.substr(pos, slash - pos));
-    if (!c.empty() && c != ".") out.push_back(std::move(c));
-    pos = slash + 1;
-  }
-  return out;
-}
-
-std::string JoinComponents(const std::vector<std::string>& comps, size_t n) {
-  std::string out;
-  for (size_t i = 0; i < n; ++i) out += "/" + comps[i];
-  return out.empty() ? "/" : out;
+  return internal::PathComponents(path, /*resolve_dotdot=*/false);
 }
 
 Result<ResolvedDir> ResolveDir(const std::string& path) {

@@ -276,20 +276,21 @@ const JsonNode* Member(const JsonNode& n, std::string_view key) {
   return found;
 }
 
-bool Hashable(const StoredValue& v) {
-  switch (v.kind) {
-    case Kind::kList:
-    case Kind::kDict:
-    case Kind::kArray:
-      return false;
-    case Kind::kTuple:
-      for (const StoredValue& x : v.items) {
-        if (!Hashable(x)) return false;
-      }
-      return true;
-    default:
-      return true;
+// Whether ok(x) holds for `v` and every value nested in it.
+template <typename Ok>
+bool Everywhere(const StoredValue& v, const Ok& ok) {
+  if (!ok(v)) return false;
+  for (const StoredValue& x : v.items) {
+    if (!Everywhere(x, ok)) return false;
   }
+  return true;
+}
+
+// Python's hashability of the decoded value: no list, dict or array in it.
+bool Hashable(const StoredValue& v) {
+  return Everywhere(v, [](const StoredValue& x) {
+    return x.kind != Kind::kList && x.kind != Kind::kDict && x.kind != Kind::kArray;
+  });
 }
 
 Result<StoredValue> Interpret(const JsonNode& n);
@@ -374,54 +375,38 @@ Result<StoredValue> Tagged(const JsonNode& n) {
 }
 
 Result<StoredValue> Interpret(const JsonNode& n) {
+  using T = JsonNode::Type;
   StoredValue v;
   switch (n.type) {
-    case JsonNode::Type::kNull:
+    case T::kNull:
       return v;
-    case JsonNode::Type::kBool:
-      v.kind = Kind::kBool;
-      v.boolean = n.boolean;
-      return v;
-    case JsonNode::Type::kInt:
-      v.kind = Kind::kInt;
-      v.text = n.text;
-      return v;
-    case JsonNode::Type::kFloat:
-      v.kind = Kind::kFloat;
-      v.number = n.number;
-      return v;
-    case JsonNode::Type::kString:
-      v.kind = Kind::kString;
-      v.text = n.text;
-      return v;
-    case JsonNode::Type::kArray:
+    case T::kArray:
       v.kind = Kind::kList;
       for (const JsonNode& e : n.elements) {
         CAIRN_ASSIGN_OR_RETURN(StoredValue x, Interpret(e));
         v.items.push_back(std::move(x));
       }
       return v;
-    case JsonNode::Type::kObject:
+    case T::kObject:
       return Tagged(n);
+    default:  // a scalar: the parser set only the field of its type
+      v.kind = n.type == T::kBool    ? Kind::kBool
+               : n.type == T::kInt   ? Kind::kInt
+               : n.type == T::kFloat ? Kind::kFloat
+                                     : Kind::kString;
+      v.boolean = n.boolean;
+      v.number = n.number;
+      v.text = n.text;
+      return v;
   }
-  return Malformed("value");
 }
 
 // Whether `v` is made of the planner-data kinds only.
 bool PlannerKinds(const StoredValue& v) {
-  switch (v.kind) {
-    case Kind::kBytes:
-    case Kind::kArray:
-    case Kind::kScalar:
-      return false;
-    case Kind::kFloat:
-      return std::isfinite(v.number);
-    default:
-      for (const StoredValue& x : v.items) {
-        if (!PlannerKinds(x)) return false;
-      }
-      return true;
-  }
+  return Everywhere(v, [](const StoredValue& x) {
+    return x.kind != Kind::kBytes && x.kind != Kind::kArray && x.kind != Kind::kScalar &&
+           (x.kind != Kind::kFloat || std::isfinite(x.number));
+  });
 }
 
 // Parses `json` (no magic) into a StoredValue.

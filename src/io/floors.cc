@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -34,21 +35,20 @@ double Now() {
 // when the mapping failed.
 class MappedBuffer {
  public:
-  explicit MappedBuffer(size_t size) : size_(size) {
-    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p != MAP_FAILED) data_ = static_cast<char*>(p);
-  }
-  ~MappedBuffer() {
-    if (data_ != nullptr) ::munmap(data_, size_);
-  }
-  MappedBuffer(const MappedBuffer&) = delete;
-  MappedBuffer& operator=(const MappedBuffer&) = delete;
-  char* data() const { return data_; }
-  size_t size() const { return size_; }
+  explicit MappedBuffer(size_t size) : map_(Map(size), Unmap{size}) {}
+  char* data() const { return map_.get(); }
+  size_t size() const { return map_.get_deleter().size; }
 
  private:
-  char* data_ = nullptr;
-  size_t size_;
+  struct Unmap {
+    size_t size;
+    void operator()(char* p) const { ::munmap(p, size); }
+  };
+  static char* Map(size_t size) {
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? nullptr : static_cast<char*>(p);
+  }
+  std::unique_ptr<char, Unmap> map_;  // unmapped when it goes; never copied
 };
 
 Status MapFailed(size_t size, const char* what) {

@@ -106,18 +106,15 @@ inline DataFileOptions MakeDataFileOptions(bool direct_io, bool sync, uint64_t b
   return opts;
 }
 
-// Each area of the extension registers its functions from its own file.
-void RegisterStorage(nanobind::module_& m);
-void RegisterManifest(nanobind::module_& m);
-void RegisterCheckpoint(nanobind::module_& m);
-void RegisterStaging(nanobind::module_& m);
-void RegisterCache(nanobind::module_& m);
-void RegisterTier(nanobind::module_& m);
-void RegisterTiers(nanobind::module_& m);
-void RegisterStock(nanobind::module_& m);
-void RegisterReplication(nanobind::module_& m);
-void RegisterValues(nanobind::module_& m);
-void RegisterFloors(nanobind::module_& m);
-void RegisterData(nanobind::module_& m);
+// Each area of the extension registers its functions from its own file
+// (RegisterStorage in ext_storage.cc, ...); ext.cc calls them in this order.
+// clang-format off
+#define CAIRN_EXT_AREAS(X) \
+  X(Storage) X(Manifest) X(Checkpoint) X(Staging) X(Cache) X(Tier) X(Tiers) X(Stock) \
+  X(Replication) X(Values) X(Floors) X(Data)
+// clang-format on
+#define CAIRN_DECLARE_REGISTER(area) void Register##area(nanobind::module_& m);
+CAIRN_EXT_AREAS(CAIRN_DECLARE_REGISTER)
+#undef CAIRN_DECLARE_REGISTER
 
 }  // namespace cairn::python

@@ -23,16 +23,7 @@ void RaiseStatus(const Status& s) {
 
 NB_MODULE(_ext, m) {
   m.doc() = "cairn's C++ engine (internal; use the cairn package)";
-  cairn::python::RegisterStorage(m);
-  cairn::python::RegisterManifest(m);
-  cairn::python::RegisterCheckpoint(m);
-  cairn::python::RegisterStaging(m);
-  cairn::python::RegisterCache(m);
-  cairn::python::RegisterTier(m);
-  cairn::python::RegisterTiers(m);
-  cairn::python::RegisterStock(m);
-  cairn::python::RegisterReplication(m);
-  cairn::python::RegisterValues(m);
-  cairn::python::RegisterFloors(m);
-  cairn::python::RegisterData(m);
+#define CAIRN_CALL_REGISTER(area) cairn::python::Register##area(m);
+  CAIRN_EXT_AREAS(CAIRN_CALL_REGISTER)
+#undef CAIRN_CALL_REGISTER
 }

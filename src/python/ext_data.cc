@@ -60,6 +60,13 @@ void CheckWorldSize(int64_t world_size) {
   if (world_size < 1) ThrowIfError(InvalidArgumentError("world_size must be >= 1"));
 }
 
+// per_rank and epoch_end: kFn of an epoch's rest, world_size checked.
+template <int64_t (*kFn)(int64_t, int64_t, int64_t, bool)>
+int64_t OfEpoch(int64_t n, int64_t start, int64_t world_size, nb::handle drop_last) {
+  CheckWorldSize(world_size);
+  return kFn(n, start, world_size, Truth(drop_last));
+}
+
 }  // namespace
 
 void RegisterData(nb::module_& m) {
@@ -70,22 +77,11 @@ void RegisterData(nb::module_& m) {
       "Children this thread of process `pid` forks die with it (0 disarms).");
   m.def("after_fork_in_child", &AfterForkInChild,
         "The fork hook of arm_forked_children (os.register_at_fork(after_in_child=...)).");
-  m.def(
-      "per_rank",
-      [](int64_t n, int64_t start, int64_t world_size, nb::handle drop_last) {
-        CheckWorldSize(world_size);
-        return PerRank(n, start, world_size, Truth(drop_last));
-      },
-      nb::arg("n"), nb::arg("start"), nb::arg("world_size"), nb::arg("drop_last"),
-      "Samples each rank gets in the rest of an epoch that begins at `start`.");
-  m.def(
-      "epoch_end",
-      [](int64_t n, int64_t start, int64_t world_size, nb::handle drop_last) {
-        CheckWorldSize(world_size);
-        return EpochEnd(n, start, world_size, Truth(drop_last));
-      },
-      nb::arg("n"), nb::arg("start"), nb::arg("world_size"), nb::arg("drop_last"),
-      "The position reached when the epoch is complete.");
+  m.def("per_rank", &OfEpoch<PerRank>, nb::arg("n"), nb::arg("start"), nb::arg("world_size"),
+        nb::arg("drop_last"),
+        "Samples each rank gets in the rest of an epoch that begins at `start`.");
+  m.def("epoch_end", &OfEpoch<EpochEnd>, nb::arg("n"), nb::arg("start"), nb::arg("world_size"),
+        nb::arg("drop_last"), "The position reached when the epoch is complete.");
   m.def(
       "rank_positions",
       [](int64_t n, int64_t start, int64_t world_size, int64_t rank, nb::handle drop_last) {

@@ -183,28 +183,24 @@ void RegisterStaging(nb::module_& m) {
   nb::class_<PyStagingPool>(
       m, "StagingPool",
       "Reusable staging buffers in node shared memory (see include/cairn/staging.h). "
-      "StagingPool(root_dir, rank=0, num_slots=2, threads=2, populate=True, "
-      "remove_on_close=True, file_key='') -- threads counts the calling thread.")
+      "StagingPool(root_dir, rank=0, num_slots=2, threads=2, remove_on_close=True) -- "
+      "threads counts the calling thread; slots are pre-faulted, files data/r<rank>.bin.")
       .def(
           "__init__",
           [](PyStagingPool* self, const std::string& root_dir, uint32_t rank, size_t num_slots,
-             size_t threads, bool populate, bool remove_on_close, const std::string& file_key) {
-            auto pool = WithoutGil([&] {
-              return StagingPool::Open({.root_dir = root_dir,
-                                        .rank = rank,
-                                        .num_slots = num_slots,
-                                        .file_key = file_key,
-                                        .populate = populate,
-                                        .remove_on_close = remove_on_close});
-            });
+             size_t threads, bool remove_on_close) {
+            const StagingPoolOptions o{.root_dir = root_dir,
+                                       .rank = rank,
+                                       .num_slots = num_slots,
+                                       .remove_on_close = remove_on_close};
+            auto pool = WithoutGil([&] { return StagingPool::Open(o); });
             new (self) PyStagingPool();
             self->pool = std::move(pool);
             if (threads > 1) self->threads = std::make_unique<ThreadPool>(threads - 1);
             self->live_views.assign(num_slots, 0);
           },
           nb::arg("root_dir"), nb::arg("rank") = 0, nb::arg("num_slots") = 2,
-          nb::arg("threads") = 2, nb::arg("populate") = true, nb::arg("remove_on_close") = true,
-          nb::arg("file_key") = "")
+          nb::arg("threads") = 2, nb::arg("remove_on_close") = true)
       .def(
           "acquire",
           [](PyStagingPool& self, uint64_t nbytes) {

@@ -20,31 +20,13 @@
 #include <vector>
 
 #include "cairn/stock.h"
+#include "stock/dtypes.h"
 
 namespace cairn::stock {
 namespace {
 
-// torch.save's legacy storage classes and the dtype each holds.
-struct StorageClass {
-  const char* name;
-  const char* dtype;
-  uint32_t itemsize;
-};
-constexpr StorageClass kStorageClasses[] = {
-    {"FloatStorage", "float32", 4},
-    {"DoubleStorage", "float64", 8},
-    {"HalfStorage", "float16", 2},
-    {"BFloat16Storage", "bfloat16", 2},
-    {"LongStorage", "int64", 8},
-    {"IntStorage", "int32", 4},
-    {"ShortStorage", "int16", 2},
-    {"CharStorage", "int8", 1},
-    {"ByteStorage", "uint8", 1},
-    {"BoolStorage", "bool", 1},
-    {"ComplexFloatStorage", "complex64", 8},
-    {"ComplexDoubleStorage", "complex128", 16},
-};
-
+using internal::Dtype;
+using internal::kDtypes;
 constexpr size_t kMaxPickle = 1 << 20;  // a one-tensor data.pkl is ~200 bytes
 constexpr size_t kMaxStack = 4096;
 constexpr size_t kMaxMemo = 4096;
@@ -66,10 +48,10 @@ struct Value {
   };
   explicit Value(Kind k = kNone) : kind(k) {}
   Kind kind;
-  int64_t i = 0;                      // kInt, kBool; kStorage: numel
-  std::string s;                      // kStr; kStorage: key
-  const StorageClass* cls = nullptr;  // kStorageClass, kStorage
-  std::vector<Value> items;           // kTuple; kTensor: (offset, size, stride) as ints
+  int64_t i = 0;               // kInt, kBool; kStorage: numel
+  std::string s;               // kStr; kStorage: key
+  const Dtype* cls = nullptr;  // kStorageClass, kStorage: its storage class
+  std::vector<Value> items;    // kTuple; kTensor: (offset, size, stride) as ints
 };
 
 Status NotSimple(std::string_view why) {
@@ -257,8 +239,8 @@ class TensorPickle {
     } else if (module == "collections" && name == "OrderedDict") {
       v.kind = Value::kOrderedDict;
     } else {
-      for (const StorageClass& c : kStorageClasses) {
-        if (module == "torch" && name == c.name) v.cls = &c;
+      for (const Dtype& d : kDtypes) {
+        if (module == "torch" && *d.storage_class != '\0' && name == d.storage_class) v.cls = &d;
       }
       if (v.cls == nullptr) return NotSimple("global " + module + "." + name);
       v.kind = Value::kStorageClass;
@@ -381,7 +363,7 @@ Result<TensorRecord> DecodeTensorRecord(const ReadableFile& archive,
 
   const Value& storage = tensor.items[0];
   TensorRecord rec;
-  rec.dtype = storage.cls->dtype;
+  rec.dtype = storage.cls->canonical;
   rec.itemsize = storage.cls->itemsize;
   rec.storage_offset = tensor.items[1].i;
   for (const Value& v : tensor.items[2].items) rec.size.push_back(v.i);

@@ -19,10 +19,12 @@
 
 #include "cairn/chaos.h"
 #include "cairn/format.h"
+#include "storage/local_path.h"
 #include "storage/s3/sigv4.h"
 
 namespace cairn {
 
+using internal::JoinComponents;
 using json = nlohmann::json;
 
 namespace {
@@ -44,25 +46,7 @@ std::vector<std::string> AbsoluteComponents(std::string_view path) {
     char cwd[PATH_MAX];
     if (::getcwd(cwd, sizeof(cwd)) != nullptr) abs = std::string(cwd) + "/" + abs;
   }
-  std::vector<std::string> out;
-  size_t pos = 0;
-  while (pos <= abs.size()) {
-    size_t slash = std::min(abs.find('/', pos), abs.size());
-    std::string c = abs.substr(pos, slash - pos);
-    if (c == "..") {
-      if (!out.empty()) out.pop_back();
-    } else if (!c.empty() && c != ".") {
-      out.push_back(std::move(c));
-    }
-    pos = slash + 1;
-  }
-  return out;
-}
-
-std::string JoinComponents(const std::vector<std::string>& comps, size_t n) {
-  std::string out;
-  for (size_t i = 0; i < n; ++i) out += "/" + comps[i];
-  return out.empty() ? "/" : out;
+  return internal::PathComponents(abs, /*resolve_dotdot=*/true);
 }
 
 // The real path of `path`, symlinks resolved as far as it exists and the rest
