@@ -355,14 +355,16 @@ TEST(ChunkCoverageTest, GapsOverlapsAndRepeatsNameTheTensorAndAnElement) {
 }
 
 TEST(ChunkCoverageTest, ManyChunksAreCheckedQuicklyAndHostileLayoutsAreBounded) {
-  // A million row chunks: a regular layout validates in well under a second.
+  // A million row chunks: a regular layout validates in well under a second
+  // on an idle machine. The bounds below only catch a quadratic algorithm
+  // (hours here), so they are generous enough for a loaded CI machine.
   const uint64_t n = 1 << 20;
   ManifestTensor rows = Boxes({n, 2}, {});
   rows.chunks.reserve(n);
   for (uint64_t i = n; i-- > 0;) rows.chunks.push_back({{i, 0}, {1, 2}, {0, 0, 2, {}}});
   auto start = std::chrono::steady_clock::now();
   EXPECT_TRUE(ValidateChunkCoverage(rows).ok());
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
   // A valid but quadratic tiling: thin rows on the left half, thin columns on
   // the right; every column chunk spans every row slab. Refused quickly.
   const uint64_t k = 1 << 15;
@@ -373,7 +375,7 @@ TEST(ChunkCoverageTest, ManyChunksAreCheckedQuicklyAndHostileLayoutsAreBounded) 
   Status s = ValidateChunkCoverage(q);
   EXPECT_EQ(s.code(), StatusCode::kDataLoss);
   EXPECT_NE(s.message().find("too irregular"), std::string::npos) << s.ToString();
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(120));
   // The same shape in a small version passes.
   ManifestTensor small = Boxes({8, 16}, {});
   for (uint64_t i = 0; i < 8; ++i) small.chunks.push_back({{i, 0}, {1, 8}, {0, 0, 8, {}}});
