@@ -244,6 +244,14 @@ class ReplicaStoreTest : public ::testing::Test {
   }
 
   // Stages rank q's slot 0 in node n's memory tier and commits it.
+  // Node a's rank 0 and node b's rank 1 staged with patterns 1 and 2 (returned).
+  std::pair<std::string, std::string> StageBoth() {
+    std::string da = Pattern(1), db = Pattern(2);
+    Stage(a_, 0, da);
+    Stage(b_, 1, db);
+    return {da, db};
+  }
+
   void Stage(const FakeNode& n, int64_t q, const std::string& bytes) {
     fs::create_directories(n.mem + "/slot0/data");
     std::ofstream(n.mem + "/slot0/" + format::DataFileKey(q), std::ios::binary) << bytes;
@@ -295,9 +303,7 @@ class ReplicaStoreTest : public ::testing::Test {
 };
 
 TEST_F(ReplicaStoreTest, ReplicationVerifiesThenCommitsOnThePeer) {
-  const std::string da = Pattern(1), db = Pattern(2);
-  Stage(a_, 0, da);
-  Stage(b_, 1, db);
+  const auto [da, db] = StageBoth();
   auto a = Open(a_, 0), b = Open(b_, 1);
   ASSERT_TRUE(a && b);
   EXPECT_TRUE(a->leased());
@@ -357,9 +363,7 @@ TEST_F(ReplicaStoreTest, ANodeWithoutRoomIsRefusedAlikeOnEveryRank) {
 }
 
 TEST_F(ReplicaStoreTest, ALostNodeIsRestoredFromItsPeersReplica) {
-  const std::string da = Pattern(1), db = Pattern(2);
-  Stage(a_, 0, da);
-  Stage(b_, 1, db);
+  const auto [da, db] = StageBoth();
   {
     auto a = Open(a_, 0), b = Open(b_, 1);
     Replicate(*a, *b, da, db);
@@ -415,9 +419,7 @@ TEST_F(ReplicaStoreTest, ALostNodeIsRestoredFromItsPeersReplica) {
 }
 
 TEST_F(ReplicaStoreTest, HoldingsTrustOnlyWhatTheSidecarAndManifestVouchFor) {
-  const std::string da = Pattern(1), db = Pattern(2);
-  Stage(a_, 0, da);
-  Stage(b_, 1, db);
+  const auto [da, db] = StageBoth();
   auto a = Open(a_, 0), b = Open(b_, 1);
   Replicate(*a, *b, da, db);
   // A replica file whose size differs from the sidecar's is not held, and a
@@ -452,9 +454,7 @@ TEST_F(ReplicaStoreTest, APlantedSymlinkIsNeverWrittenThrough) {
 }
 
 TEST_F(ReplicaStoreTest, ViewTransfersIgnoreHostileReports) {
-  const std::string da = Pattern(1), db = Pattern(2);
-  Stage(a_, 0, da);
-  Stage(b_, 1, db);
+  const auto [da, db] = StageBoth();
   auto a = Open(a_, 0), b = Open(b_, 1);
   std::vector<std::string> holdings = {*a->Holdings(), *b->Holdings()};
   ASSERT_TRUE(a->Candidates(holdings).ok());

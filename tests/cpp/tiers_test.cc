@@ -49,6 +49,15 @@ struct ShmTier {
   std::string name;
 };
 
+// A durable tier <scratch>/run and a local one <scratch>/fast.
+TierSetOptions RunAndFast(const ScratchDir& scratch, bool memory) {
+  TierSetOptions o;
+  o.root = scratch.path() + "/run";
+  o.local = scratch.path() + "/fast";
+  o.memory = memory;
+  return o;
+}
+
 TEST(TierUriTest, NormalizesPathsAndRefusesOtherSchemes) {
   EXPECT_EQ(*NormalizeTierUri("/a/./b//c/../d/", "root"), "/a/b/d");
   EXPECT_EQ(*NormalizeTierUri("s3://bucket/run//", "root"), "s3://bucket/run");
@@ -114,10 +123,7 @@ TEST(TierSetTest, RefusesTiersThatOverlap) {
 
 TEST(TierSetTest, CandidatesAreFastestFirstAndDamagedOnesAreSkipped) {
   ScratchDir scratch("tiers");
-  TierSetOptions o;
-  o.root = scratch.path() + "/run";
-  o.local = scratch.path() + "/fast";
-  o.memory = true;
+  TierSetOptions o = RunAndFast(scratch, /*memory=*/true);
   o.num_slots = 2;
   ShmTier shm(o.root);
   auto tiers = TierSet::Open(o);
@@ -205,10 +211,7 @@ TEST(TierSetTest, OldestSlotIsAFreeOneElseTheOldestStep) {
 
 TEST(TierSetTest, PruneKeepsEachTiersNewest) {
   ScratchDir scratch("tiers");
-  TierSetOptions o;
-  o.root = scratch.path() + "/run";
-  o.local = scratch.path() + "/fast";
-  o.memory = false;
+  TierSetOptions o = RunAndFast(scratch, /*memory=*/false);
   o.keep = 2;
   o.keep_local = 1;
   auto tiers = TierSet::Open(o);
