@@ -24,6 +24,8 @@
 #include <malloc.h>
 #endif
 
+#include "storage/unique_fd.h"
+
 namespace cairn {
 namespace {
 
@@ -68,22 +70,7 @@ void FillRandom(MappedBuffer& buf) {
 }
 
 // Closes the fd on every path out of a scope.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() { Close(); }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  int Close() {
-    int rc = fd_ >= 0 ? ::close(fd_) : 0;
-    fd_ = -1;
-    return rc;
-  }
-
- private:
-  int fd_;
-};
+using Fd = internal::UniqueFd;
 
 // Unlinks a path when it goes out of scope (the floor's file, whatever happens).
 class RemoveOnExit {
@@ -132,7 +119,7 @@ Status DirectWrite(const std::string& dir, const std::string& path, uint64_t n,
     }
   }
   if (::fsync(fd.get()) != 0) return ErrnoToStatus(errno, "fsync of " + path);
-  if (fd.Close() != 0) return ErrnoToStatus(errno, "closing " + path);
+  if (::close(fd.release()) != 0) return ErrnoToStatus(errno, "closing " + path);
   return FsyncDir(dir);
 }
 

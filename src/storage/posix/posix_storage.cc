@@ -47,6 +47,8 @@
 #include <memory>
 #include <utility>
 
+#include "storage/unique_fd.h"
+
 namespace cairn {
 namespace internal {
 namespace {
@@ -56,31 +58,6 @@ constexpr size_t kBounceSize = 8 << 20;
 // Calls smaller than this stay buffered even on a direct file: the syscall
 // split costs more than the page cache does.
 constexpr size_t kDirectMinBytes = 64 << 10;
-
-// Owns a file descriptor.
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  UniqueFd& operator=(UniqueFd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  ~UniqueFd() { reset(); }
-  int get() const { return fd_; }
-  int release() { return std::exchange(fd_, -1); }
-  void reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
 
 // A page-aligned scratch buffer per thread, reused across calls.
 char* BounceBuffer() {
