@@ -39,8 +39,8 @@ the median of the per-repetition ratios ("paired": the two run back to back, so
 this cancels most of the load of a shared machine).
 
 ``--staged`` (on by default) adds the slow-mount figures of ``cairn.Writer(path,
-staging_dir=...)`` against a directory throttled to ``--throttle-mbps`` (a
-``fault://`` storage with a bandwidth cap): the time of a synchronous direct save,
+staging_dir=...)`` against a directory throttled to ``--throttle-mbps`` (its
+storage wrapped by a FaultInjector with a bandwidth cap): the time of a synchronous direct save,
 and, for ``dcp.async_save`` with ``staging_dir``, the time it blocks and the time
 until the checkpoint is published, against the time the bandwidth allows; once
 with DCP's default stager (a fresh CPU copy per save) and once with
@@ -263,15 +263,18 @@ def staged_figures(args, scratch: Path) -> dict:
     target = scratch / "slow-target"
     target.mkdir()
     staging = scratch / "staging"
-    inj = cairn._ext.FaultInjector(f"bench-slow-{uuid.uuid4().hex[:8]}", str(target))
+    inj = cairn._ext.FaultInjector()  # the target, seen through a pipe of `bw`
     inj.set_bandwidth(int(bw))
+
+    def slow(name):
+        return inj.wrap(cairn._ext.open_storage(str(target / name)))
     direct, stall, published, sm_stall, sm_published = [], [], [], [], []
     stager = cairn.SharedMemoryStager()
 
     def staged_save(name, rep, stalls, publishes, **kw):
-        uri = f"{inj.uri}/{name}-{rep}"
         t0 = time.perf_counter()
-        fut = dcp.async_save(state, storage_writer=cairn.Writer(uri, staging_dir=staging), **kw)
+        fut = dcp.async_save(state, storage_writer=cairn.Writer(slow(f"{name}-{rep}"),
+                                                                staging_dir=staging), **kw)
         stalls.append(time.perf_counter() - t0)
         fut.result()
         publishes.append(time.perf_counter() - t0)
@@ -286,9 +289,8 @@ def staged_figures(args, scratch: Path) -> dict:
 
     try:
         for rep in range(args.reps):
-            uri = f"{inj.uri}/direct-{rep}"
             t0 = time.perf_counter()
-            dcp.save(state, storage_writer=cairn.Writer(uri))
+            dcp.save(state, storage_writer=cairn.Writer(slow(f"direct-{rep}")))
             direct.append(time.perf_counter() - t0)
             shutil.rmtree(target / f"direct-{rep}")
             # DCP's default stager (a fresh CPU copy per save), then cairn's
@@ -297,7 +299,6 @@ def staged_figures(args, scratch: Path) -> dict:
             staged_save("staged-shm", rep, sm_stall, sm_published, async_stager=stager)
     finally:
         stager.close()
-        inj.close()
     bound = nbytes / bw
     return {
         "bytes": nbytes, "throttle_MBps": args.throttle_mbps, "bandwidth_bound_s": bound,

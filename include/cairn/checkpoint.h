@@ -284,6 +284,12 @@ Status CopyCheckpoint(Storage* src, std::string_view src_dir, Storage* dst,
                       std::string_view dst_dir, ThreadPool* pool, const ProgressFn& progress = {},
                       const CopyOptions& opts = {});
 
+// CopyCheckpoint of the committed checkpoint at the root of `src` to the
+// storage at `dst_uri`, opened (created) only after the overlap check, so a
+// refused copy leaves no trace.
+Status CopyCheckpointTo(Storage* src, std::string_view dst_uri, ThreadPool* pool,
+                        const ProgressFn& progress = {}, const CopyOptions& opts = {});
+
 // CopyCheckpoint between two storage URIs (OpenStorage): `src_uri` must hold
 // a committed checkpoint; `dst_uri` is created. An overlapping copy is
 // refused before the destination is created, so a refusal leaves no trace.

@@ -17,15 +17,18 @@
 //
 // The rules, latencies and counters live in a FaultInjector, shared by every
 // storage and file that wraps with it, so a test can keep a handle on it while
-// the code under test opens storages by URI:
+// the code under test uses the wrapped storage it was given:
 //
 //   auto inj = std::make_shared<FaultInjector>();
-//   RegisterFaultInjector("t1", "/tmp/ckpt", inj);  // fault://t1/... -> /tmp/ckpt/...
+//   std::shared_ptr<Storage> base = *OpenStorage("/tmp/ckpt");
+//   FaultInjectionStorage st(base, inj);   // pass &st (Python: inj.wrap(storage))
 //   inj->AddRule({.op = FaultOp::kWrite, .key_contains = "r1.bin", .error = ENOSPC});
-//   OpenStorage("fault://t1/step_5")  // a posix storage at /tmp/ckpt/step_5, wrapped
 //
-// Thread-safety: FaultInjector, FaultInjectionStorage and the registry are
-// thread-safe; rules may change while calls are in flight.
+// There is no fault:// scheme: engine calls take Storage objects, so a test
+// wraps the storage it hands over instead of registering a name.
+//
+// Thread-safety: FaultInjector and FaultInjectionStorage are thread-safe;
+// rules may change while calls are in flight.
 #pragma once
 
 #include <atomic>
@@ -143,11 +146,14 @@ class FaultInjector {
 
 // A Storage that forwards to a base Storage through a FaultInjector: a
 // StorageWrapper overriding the calls a fault can hit. Thread-safe as the base
-// is. Owns the base when given a unique_ptr; the Storage* form borrows it (the
-// base must outlive the wrapper and its files).
+// is. Owns the base when given a unique_ptr, shares it when given a
+// shared_ptr; the Storage* form borrows it (the base must outlive the wrapper
+// and its files).
 class FaultInjectionStorage final : public StorageWrapper {
  public:
   explicit FaultInjectionStorage(std::unique_ptr<Storage> base,
+                                 std::shared_ptr<FaultInjector> injector = nullptr);
+  explicit FaultInjectionStorage(std::shared_ptr<Storage> base,
                                  std::shared_ptr<FaultInjector> injector = nullptr);
   explicit FaultInjectionStorage(Storage* base, std::shared_ptr<FaultInjector> injector = nullptr);
 
@@ -181,19 +187,5 @@ class FaultInjectionStorage final : public StorageWrapper {
   Storage* base_;  // == target()
   std::shared_ptr<FaultInjector> injector_;
 };
-
-// The process-wide registry behind "fault://NAME/SUB" URIs: OpenStorage
-// resolves such a URI to OpenStorage(base_uri + "/" + SUB) (just base_uri
-// when SUB is empty) wrapped in a FaultInjectionStorage using `injector`.
-// base_uri is a path, "file://PATH" or "shm://NAME". Registering an existing
-// name replaces it. The registry is per process: each rank of a multi-process
-// test registers its own.
-Status RegisterFaultInjector(const std::string& name, const std::string& base_uri,
-                             std::shared_ptr<FaultInjector> injector);
-// Removes NAME; false if it was not registered (or, when `only_if` is set,
-// if NAME now maps to another injector).
-bool UnregisterFaultInjector(const std::string& name, const FaultInjector* only_if = nullptr);
-// Opens a "fault://NAME/SUB" URI (what OpenStorage calls for that scheme).
-Result<std::unique_ptr<Storage>> OpenFaultStorage(std::string_view uri, bool create = true);
 
 }  // namespace cairn

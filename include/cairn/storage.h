@@ -198,11 +198,14 @@ class Storage {
 // EnvWrapper). Wrappers that change a few calls (fault injection, throttling)
 // derive from it and override only those; anything else reaches the target
 // unchanged. Thread-safe as the target is. Owns the target when constructed
-// from a unique_ptr; otherwise the target must outlive the wrapper.
+// from a unique_ptr, shares it when constructed from a shared_ptr (a storage
+// the Python package holds and wraps); a raw target must outlive the wrapper.
 class StorageWrapper : public Storage {
  public:
   explicit StorageWrapper(Storage* target) : target_(target) {}
   explicit StorageWrapper(std::unique_ptr<Storage> target)
+      : owned_(std::move(target)), target_(owned_.get()) {}
+  explicit StorageWrapper(std::shared_ptr<Storage> target)
       : owned_(std::move(target)), target_(owned_.get()) {}
 
   Storage* target() const { return target_; }
@@ -236,7 +239,7 @@ class StorageWrapper : public Storage {
   std::string LocalPath() const override { return target_->LocalPath(); }
 
  private:
-  std::unique_ptr<Storage> owned_;
+  std::shared_ptr<Storage> owned_;
   Storage* target_;
 };
 
@@ -276,9 +279,11 @@ Result<std::unique_ptr<Storage>> OpenThrottledStorage(std::string_view uri);
 
 // The one registry: opens the storage named by `uri`: a plain path or
 // "file://PATH" (posix), "shm://NAME" (shm), "mem://" (a fresh mem storage),
-// "s3://BUCKET/PREFIX" (s3, configured from the environment: cairn/s3.h),
-// "fault://NAME/SUB" (a registered fault injector's base, see
-// cairn/fault_injection.h) or "slow://PATH?..." (OpenThrottledStorage).
+// "s3://BUCKET/PREFIX" (s3, configured from the environment: cairn/s3.h)
+// or "slow://PATH?..." (OpenThrottledStorage). A URI is opened once, where
+// the user's path enters (a Writer, Reader, tier or cache); the engine calls
+// then take the Storage. Wrappers (fault injection) wrap an open Storage and
+// have no scheme.
 Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create = true);
 
 // The local directory that OpenStorage(uri) is (or would be) rooted at, whether
@@ -287,7 +292,7 @@ Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create =
 std::string LocalDirOfUri(std::string_view uri);
 
 // Checks that `uri` can name a checkpoint (the Writer's and Reader's path):
-// a plain path or file://, shm://, s3:// or fault:// URI. InvalidArgument for
+// a plain path or file://, shm:// or s3:// URI. InvalidArgument for
 // an empty one or another scheme (mem:// and slow:// hold no checkpoints).
 Status CheckCheckpointUri(std::string_view uri);
 

@@ -7,7 +7,8 @@
 //            directory per slot (MemoryTierName: <tag> is derived from the
 //            durable root, so a restarted process finds it)
 //   local    an optional fast local directory: <local>/step_<N>/
-//   durable  <root>/step_<N>/: a directory, file://, fault:// or s3://
+//   durable  <root>/step_<N>/: a directory, file:// or s3://, or a Storage
+//            the caller opened (a fault-injecting wrapper, say)
 //
 // A memory-tier checkpoint belongs to the run whose id its manifest's
 // extra.manager.run_id holds; the id is kept in <root>/cairn.run, so a
@@ -54,12 +55,12 @@ std::string JoinUri(std::string_view uri, std::string_view name);
 // The shm:// name of the memory tier of the run checkpointing to `root` on
 // this node, "cairn-<16 hex>": the SHA-256 of the root's real path (symlinks
 // resolved as far as the path exists), or of the URI without trailing slashes
-// for a root without a local directory (s3://, fault://).
+// for a root without a local directory (s3://).
 std::string MemoryTierName(std::string_view root);
 
 // The tier URI the manager keeps for `path`, a `what` ("root" or "local")
-// tier: a path becomes absolute (lexically normalized); "file://" and
-// "fault://" stay as given, "s3://" (root only) loses its trailing slashes.
+// tier: a path becomes absolute (lexically normalized); "file://" stays as
+// given, "s3://" (root only) loses its trailing slashes.
 // InvalidArgument "invalid <what> directory ''" for an empty path and
 // "unsupported <what> URI: <uri>" for another scheme.
 Result<std::string> NormalizeTierUri(std::string_view path, std::string_view what);
@@ -72,7 +73,8 @@ std::string ReadRunId(std::string_view root);
 struct TierCheckpoint {
   uint64_t step = 0;
   TierKind tier = TierKind::kDurable;
-  std::string uri;
+  std::string uri;   // for messages
+  std::string name;  // its directory in the tier's storage (TierSet::TierStorage)
 };
 
 // A damaged or unusable step_<N> directory (its manifest is there but does
@@ -108,6 +110,9 @@ std::vector<MemoryCheckpoint> FindMemoryCheckpoints(std::string_view tier_name,
 // not: they are saves in flight or crashed). Other I/O errors are returned.
 Result<std::optional<std::string>> LatestValidUri(std::string_view root,
                                                   std::vector<SkippedCheckpoint>* skipped);
+// LatestValidUri over an open storage whose root `root` names (for the URIs).
+Result<std::optional<std::string>> LatestValidIn(Storage* storage, std::string_view root,
+                                                 std::vector<SkippedCheckpoint>* skipped);
 
 // The checkpoint a restore drill of `root` loads (see cairn/drill.py): with
 // `tier` empty, `root` itself when it holds a manifest, else LatestValidUri;
@@ -127,6 +132,10 @@ Result<DrillPick> PickDrillCheckpoint(std::string_view root, std::string_view ti
 struct TierSetOptions {
   std::string root;   // the durable tier, as the user gave it
   std::string local;  // the local tier; empty: none
+  // A tier the caller opened itself: used as given (its LocalPath, or its
+  // Describe() without one, names it); `root` / `local` are then ignored.
+  std::shared_ptr<Storage> root_storage;
+  std::shared_ptr<Storage> local_storage;
   bool memory = true;
   uint32_t num_slots = 1;  // memory-tier slots (>= 1)
   // Committed checkpoints each slower tier keeps (Prune); nullopt: the
@@ -135,11 +144,12 @@ struct TierSetOptions {
   uint64_t keep_local = 3;
 };
 
-// The tiers of one manager on one rank, opened once: the normalized URIs,
-// the memory tier's name and directory, retention, and the run id once it is
-// known. Each operation opens the storage it needs (OpenStorage), so a tier
-// directory that is removed and created again under a live manager is
-// followed, as a path is.
+// The tiers of one manager on one rank, opened once: each tier's Storage,
+// the normalized URIs, the memory tier's name and directory, retention, and
+// the run id once it is known. A tier given as a path is a posix storage that
+// follows its root by path (PosixStorageOptions::follow_root), so a tier
+// directory removed and created again under a live manager is followed, and
+// one not created yet holds nothing.
 //
 // Thread-safe: every method may be called from any thread (the manager's
 // background thread prunes while its main thread lists).
@@ -165,6 +175,12 @@ class TierSet {
   // The slower tiers a durable save goes to, in order: local (if any), then
   // durable.
   std::vector<TierKind> SlowerTiers() const;
+  // The open storage of the memory (shm://<shm_name>: slot<k>/ below it),
+  // local or durable tier (step_<N>/ below it). InvalidArgument for a tier
+  // this set does not have.
+  Result<std::shared_ptr<Storage>> TierStorage(TierKind tier) const;
+  // "slot<slot>": the directory of a memory slot in the memory tier's storage.
+  static std::string SlotDirName(uint32_t slot);
   // The URI of a slower tier, and of `step`'s directory in it.
   Result<std::string> TierUri(TierKind tier) const;
   Result<std::string> StepUri(TierKind tier, uint64_t step) const;
@@ -220,12 +236,10 @@ class TierSet {
 
  private:
   explicit TierSet(TierSetOptions opts) : opts_(std::move(opts)) {}
-  // The storage of the local or durable tier (with `create`). NotFound while
-  // it does not exist and !create.
-  Result<std::unique_ptr<Storage>> TierStorage(TierKind tier, bool create) const;
 
   TierSetOptions opts_;
   std::string root_, local_, shm_name_, shm_dir_;
+  std::shared_ptr<Storage> durable_, local_storage_, memory_;
   mutable std::mutex mu_;
   std::string run_id_;  // guarded by mu_
 };

@@ -119,10 +119,10 @@ class Replication:
 
     # ---- restore ---------------------------------------------------------------------
 
-    def candidates(self) -> list[tuple[int, str, str]]:
-        """This rank's (step, "memory" | "peer", "cluster") candidates, collective."""
+    def candidates(self) -> list[tuple[int, str, str, str]]:
+        """This rank's (step, "memory" | "peer", "cluster", "") candidates, collective."""
         everyone = self.mgr._gather(self.store.holdings())
-        return [(step, tier, "cluster") for step, tier in self.store.candidates(everyone)]
+        return [(step, tier, "cluster", "") for step, tier in self.store.candidates(everyone)]
 
     def materialize(self, step: int) -> str:
         """Collective: assembles `step` in every node's view/ (links to what the node

@@ -59,26 +59,42 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from cairn import _ext, _pools
-from cairn.errors import CorruptionError, NotFoundError
+from cairn.errors import CorruptionError, Error, NotFoundError
 
 __all__ = ["is_stock_checkpoint", "StockReader", "read_stock_metadata", "check_value_is_safe"]
 
 METADATA_FILE = ".metadata"
 
 
-def _local_path(path: str | os.PathLike) -> str:
+def _local_path(path: "str | os.PathLike | _ext.Storage") -> str:
+    """The local directory of a checkpoint path (the engine resolves file://), or of
+    an open storage."""
+    if isinstance(path, _ext.Storage):
+        return path.local_path()
     p = os.fspath(path)
     if isinstance(p, bytes):
         p = os.fsdecode(p)
     return _ext.local_dir_of_uri(p) or p
 
 
-def is_stock_checkpoint(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a directory holding a stock DCP ``.metadata`` pickle
-    (global, or rank 0's when saved without collectives). Reads one byte."""
+def _open(path: "str | os.PathLike | _ext.Storage") -> _ext.Storage:
+    """The storage of an existing checkpoint directory (NotFoundError when it is
+    missing); an open storage as it is."""
+    if isinstance(path, _ext.Storage):
+        return path
+    p = os.fspath(path)
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    return _ext.open_storage(p, create=False)
+
+
+def is_stock_checkpoint(path: "str | os.PathLike | _ext.Storage") -> bool:
+    """True when ``path`` is a directory (or an open storage) holding a stock DCP
+    ``.metadata`` pickle (global, or rank 0's when saved without collectives).
+    Reads one byte."""
     try:
-        return bool(_ext.is_stock_checkpoint(_local_path(path)))
-    except TypeError:
+        return bool(_ext.is_stock_checkpoint(_open(path)))
+    except (TypeError, Error):
         return False
 
 
@@ -89,7 +105,7 @@ def read_stock_metadata(path: str | os.PathLike, rank: int | None = None) -> _md
     a well-formed DCP metadata pickle (including any pickle that names a global
     outside DCP's metadata classes)."""
     name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-    m = _ext.read_stock_metadata(_local_path(path), name)  # steps 1 and 2
+    m = _ext.read_stock_metadata(_open(path), name)  # steps 1 and 2
     sdm: dict[str, Any] = {}
     for it in m.state:
         if it.is_bytes:
@@ -202,7 +218,7 @@ class StockReader(FileSystemReader):
     forms are decoded here (``torch.load(weights_only=True)``) and copied.
 
     Args:
-        path: the checkpoint directory (or ``file://`` URI).
+        path: the checkpoint directory (or ``file://`` URI), or its open storage.
         thread_count: threads of this reader's own I/O pool (default: the
             process-wide pool of cairn._pools).
         verify_crc: check each tensor item's zip CRC32s (torch.save writes them).
@@ -220,6 +236,8 @@ class StockReader(FileSystemReader):
     ) -> None:
         super().__init__(_local_path(path))
         self.path = _local_path(path)
+        # Opened once, on first use (and again after a reset to another path).
+        self._storage: _ext.Storage | None = path if isinstance(path, _ext.Storage) else None
         self.thread_count = thread_count or _pools.thread_count("io")
         self._own_pool = _ext.ThreadPool(thread_count) if thread_count else None
         self.verify_crc = verify_crc
@@ -233,9 +251,10 @@ class StockReader(FileSystemReader):
         self._chunks = {}
         if checkpoint_id:
             self.path = _local_path(checkpoint_id)
+            self._storage = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> _md.Metadata:
-        return read_stock_metadata(self.path, kwargs.get("rank"))
+        return read_stock_metadata(self._store(), kwargs.get("rank"))
 
     def set_up_storage_reader(
         self, metadata: _md.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -250,9 +269,15 @@ class StockReader(FileSystemReader):
                         v.properties.dtype,
                     )
 
+    def _store(self) -> _ext.Storage:
+        """The checkpoint's storage, opened once (NotFoundError while it is missing)."""
+        if self._storage is None:
+            self._storage = _open(self.path)
+        return self._storage
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         try:
-            storage = _ext.open_storage(self.path, create=False)
+            storage = self._store()
         except NotFoundError as e:
             raise CorruptionError(f"{self.path}: checkpoint directory is missing") from e
         engine, engine_reqs, slow = [], [], []

@@ -49,9 +49,12 @@ def _progress(msg: str) -> None:
 
 
 def _local_dir(path: str) -> Path | None:
-    if path.startswith("file://"):
-        return Path(path[len("file://"):])
-    return None if "://" in path else Path(path)
+    """The disk directory a plain or file:// path names (the engine parses it); None
+    for shm:// (node memory, measured by the manager's memory tier) and s3://."""
+    from cairn import _ext
+
+    local = _ext.local_dir_of_uri(path)
+    return Path(local) if local and not path.startswith("shm://") else None
 
 
 def run(path: str, size_gb: float = 0.5, reps: int = 3, layers: int = 16) -> dict:

@@ -109,9 +109,12 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 
-def _uri(path: str | os.PathLike | None) -> str:
+def _uri(path: "str | os.PathLike | _ext.Storage | None") -> str:
     """The storage URI of a checkpoint path: a directory, file://DIR, shm://NAME
-    or s3://BUCKET/PREFIX (the scheme checked by the engine's registry)."""
+    or s3://BUCKET/PREFIX (the scheme checked by the engine's registry), or the
+    URI an open storage was opened from."""
+    if isinstance(path, _ext.Storage):
+        return path.uri
     if path is None:
         raise InvalidArgumentError(
             "no checkpoint path: pass one to cairn.Writer/Reader or as checkpoint_id"
@@ -120,6 +123,20 @@ def _uri(path: str | os.PathLike | None) -> str:
     if not isinstance(s, str):
         raise InvalidArgumentError(f"invalid checkpoint path {path!r}")
     return _ext.check_checkpoint_uri(s)
+
+
+def _open_storage(path: "str | os.PathLike | _ext.Storage", create: bool) -> _ext.Storage:
+    """The storage of a checkpoint path, opened once by the engine's registry (a
+    Storage given instead, e.g. a fault-injecting wrapper, is used as it is).
+    Without `create`, a missing directory is cairn.NotFoundError "no such
+    checkpoint"."""
+    if isinstance(path, _ext.Storage):
+        return path
+    uri = _uri(path)
+    try:
+        return _ext.open_storage(uri, create=create)
+    except NotFoundError as e:
+        raise NotFoundError(f"no such checkpoint: {uri}") from e
 
 
 def _staging_dir(path: str | os.PathLike) -> str:
@@ -280,6 +297,9 @@ class Writer(StorageWriter):
     ) -> None:
         super().__init__()
         self.path = None if path is None else _uri(path)
+        # The target, opened once (on first use) and passed to every engine call;
+        # a Storage given as `path` is used as it is.
+        self._storage: _ext.Storage | None = path if isinstance(path, _ext.Storage) else None
         self.staging_dir = None if staging_dir is None else _staging_dir(staging_dir)
         self.user_metadata = dict(user_metadata or {})
         json.dumps(self.user_metadata)  # fail early if it cannot be stored
@@ -326,8 +346,30 @@ class Writer(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = _uri(checkpoint_id)
+            uri = _uri(checkpoint_id)
+            if isinstance(checkpoint_id, _ext.Storage):
+                self._storage = checkpoint_id
+            elif uri != self.path:
+                self._storage = None
+            self.path = uri
         self.save_id = uuid.uuid4().hex
+
+    def _target(self) -> _ext.Storage:
+        """The checkpoint's storage, opened (and created) once."""
+        if self._storage is None:
+            self._storage = _open_storage(self.path, create=True)
+        return self._storage
+
+    def __getstate__(self) -> dict:
+        # A process-based async save pickles the writer: its open storage and
+        # pool stay behind (the copy reopens them); a Storage object given as
+        # the path cannot cross a process.
+        if self._storage is not None and self._storage.uri != self.path:
+            raise InvalidArgumentError("a cairn.Writer over an open Storage cannot be pickled")
+        state = dict(self.__dict__)
+        state["_storage"] = None
+        state["_pool"] = None
+        return state
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -352,13 +394,13 @@ class Writer(StorageWriter):
         # plans afterwards): an old manifest in the directory must go first,
         # or it would "commit" half-new data; old data files go too. With
         # overwrite=False a committed checkpoint is refused before that.
-        uri = _uri(self.path)
-        if not self.overwrite and _ext.has_manifest(uri):
+        target = self._target()
+        if not self.overwrite and _ext.has_manifest(target):
             raise PreconditionError(
                 f"a committed checkpoint already exists at {self.path} and "
                 "cairn.Writer(overwrite=False) refuses to replace it"
             )
-        _ext.uncommit(uri, clear_data=True)
+        _ext.uncommit(target, clear_data=True)
         return [
             dataclasses.replace(plan, storage_data=_RankFile(_ext.data_file_key(rank)))
             for rank, plan in enumerate(plans)
@@ -395,7 +437,7 @@ class Writer(StorageWriter):
                 buffers.append((t.data_ptr(), t.numel() * t.element_size()))
         if self.staging_dir is None:
             file_size, locations = _ext.write_data_file(
-                _uri(self.path),
+                self._target(),
                 key,
                 buffers,
                 self._thread_pool(),
@@ -425,14 +467,14 @@ class Writer(StorageWriter):
         copy is removed whatever happened."""
         return _ext.write_data_file_staged(  # removes the staged copy, also on failure
             os.path.join(self.staging_dir, f"cairn-{self.save_id}-r{self.rank}"),
-            _uri(self.path), key, buffers, self._thread_pool(), _pools.upload_pool(),
+            self._target(), key, buffers, self._thread_pool(), _pools.upload_pool(),
             direct_io=self.direct_io, sync=self.sync, block_size=self.block_size,
         )
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         extra = {"save_id": self.save_id, "path": self.path, "user": self.user_metadata}
         manifest = manifest_from_metadata(metadata, results, self.block_size, extra)
-        _ext.commit_manifest(_uri(self.path), manifest)
+        _ext.commit_manifest(self._target(), manifest)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -522,8 +564,10 @@ class Reader(StorageReader):
         self._stock: StorageReader | None = None
         self._metadata: Metadata | None = None
         self._user_metadata: dict = {}
+        self._storage: _ext.Storage | None = None  # opened once per path
+        self._dir = ""  # the checkpoint's directory in it
         if path is not None:
-            self._open(_uri(path))
+            self._open(path)
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -539,20 +583,43 @@ class Reader(StorageReader):
         """A Reader of `uri` over an engine reader already open on it (the manager
         opened it to list its memory tier), so the manifest is not read twice."""
         reader = cls()
-        reader._open(uri, engine)
+        reader._open(uri, engine=engine)
         return reader
 
-    def _open(self, uri: str, engine: _ext.CheckpointReader | None = None) -> None:
+    @classmethod
+    def _in(cls, storage: _ext.Storage, dir: str, uri: str) -> "Reader":
+        """A Reader of the checkpoint in `dir` of an open storage (a manager's tier),
+        called `uri`."""
+        reader = cls()
+        reader._open(uri, storage=storage, dir=dir)
+        return reader
+
+    def _reopen(self) -> None:
+        self._open(self.path, storage=self._storage, dir=self._dir)
+
+    def _open(self, path: "str | os.PathLike | _ext.Storage",
+              engine: _ext.CheckpointReader | None = None,
+              storage: _ext.Storage | None = None, dir: str = "") -> None:
+        uri = _uri(path)
+        if storage is None and isinstance(path, _ext.Storage):
+            storage = path
         self.path = uri
         self._reader = None
         self._stock = None
         self._metadata = None
+        self._dir = dir
         try:
-            self._reader = engine if engine is not None else _ext.CheckpointReader(uri)
+            if engine is not None:
+                self._reader = engine
+            else:
+                if storage is None:
+                    storage = _open_storage(uri, create=False)
+                self._storage = storage
+                self._reader = _ext.CheckpointReader(storage, dir)
         except NotFoundError:
-            local = _ext.local_dir_of_uri(uri)  # '' when it has none (s3)
-            if local and not _ext.has_manifest(uri) and is_stock_checkpoint(local):
-                self._stock = StockReader(local, allow_pickle=self.allow_pickle)
+            local = "" if storage is None or dir else storage.local_path()  # '' for s3
+            if local and not _ext.has_manifest(storage) and is_stock_checkpoint(storage):
+                self._stock = StockReader(storage, allow_pickle=self.allow_pickle)
                 # Validated now, not lazily inside dcp.load: DCP reports a
                 # failed read_metadata as a bare AssertionError. Saved without
                 # collectives, a checkpoint has only rank-local metadata: check
@@ -589,8 +656,8 @@ class Reader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.load_id = uuid.uuid4().hex
-        if checkpoint_id is not None:
-            self._open(_uri(checkpoint_id))
+        if checkpoint_id is not None:  # a new load: opened afresh, as a path is followed
+            self._open(checkpoint_id)
         elif self._stock is not None:
             self._stock.reset()
 
@@ -600,7 +667,7 @@ class Reader(StorageReader):
                 return self._metadata  # read and validated when opened
             return self._stock.read_metadata(*args, **kwargs)
         if self._metadata is None:
-            self._open(_uri(self.path))
+            self._reopen()
         assert self._metadata is not None
         return self._metadata
 
@@ -631,7 +698,7 @@ class Reader(StorageReader):
         if self._stock is not None:
             return self._stock.read_data(plan, planner)
         if self._reader is None:
-            self._open(_uri(self.path))
+            self._reopen()
         assert self._reader is not None
         # The engine reads each region of a stored chunk into contiguous memory
         # (ReadBoxes): the destination itself when it is a contiguous CPU tensor of
@@ -689,7 +756,7 @@ class Reader(StorageReader):
         if self._stock is not None:
             return None
         if self._reader is None:
-            self._open(_uri(self.path))
+            self._reopen()
         assert self._metadata is not None
         keys = sorted(state_dict.keys())
         stateful_sd = {}

@@ -6,6 +6,7 @@ import os
 import warnings
 
 from cairn import _ext, _pools
+from cairn.errors import NotFoundError
 
 __all__ = ["latest_valid", "verify", "list_checkpoints", "copy_checkpoint"]
 
@@ -15,6 +16,20 @@ def _root_uri(path: str | os.PathLike) -> str:
     if not isinstance(s, str) or not s:
         raise ValueError(f"invalid path {path!r}")
     return s
+
+
+def _open(path: "str | os.PathLike | _ext.Storage", what: str = "") -> _ext.Storage:
+    """The storage at an existing `path` (an open storage as it is), opened once
+    for the call; NotFoundError "no such <what>" when it is missing."""
+    if isinstance(path, _ext.Storage):
+        return path
+    uri = _root_uri(path)
+    try:
+        return _ext.open_storage(uri, create=False)
+    except NotFoundError as e:
+        if not what:
+            raise
+        raise NotFoundError(f"no such {what}: {uri}") from e
 
 
 def latest_valid(root: str | os.PathLike) -> str | None:
@@ -28,7 +43,11 @@ def latest_valid(root: str | os.PathLike) -> str | None:
     N and count as newer than any other name; others order by the manifest's
     creation time. A ``root`` that does not exist (yet) has none: None.
     """
-    uri, skipped = _ext.latest_valid_uri(_root_uri(root))
+    try:
+        storage = _open(root)
+    except NotFoundError:
+        return None
+    uri, skipped = _ext.latest_valid_uri(storage)
     warn_skipped(skipped, stacklevel=3)
     return uri
 
@@ -42,7 +61,7 @@ def warn_skipped(skipped: list[tuple[str, str]], stacklevel: int = 3) -> None:
 def list_checkpoints(root: str | os.PathLike) -> list[dict]:
     """Every directory below ``root``, oldest first: name, step, committed,
     status, bytes, created_unix_ms, world_size."""
-    return _ext.list_checkpoints(_root_uri(root))
+    return _ext.list_checkpoints(_open(root))
 
 
 def verify(path: str | os.PathLike) -> None:
@@ -53,7 +72,7 @@ def verify(path: str | os.PathLike) -> None:
     missing file, damaged or missing manifest) and :class:`cairn.NotFoundError`
     when ``path`` does not exist.
     """
-    _ext.verify(_root_uri(path), _pools.io_pool())
+    _ext.verify(_open(path, "checkpoint"), _pools.io_pool())
 
 
 def copy_checkpoint(
@@ -77,7 +96,7 @@ def copy_checkpoint(
     """
     pool = _ext.ThreadPool(thread_count) if thread_count else _pools.io_pool()
     _ext.copy_checkpoint(
-        _root_uri(src),
+        _open(src, "checkpoint"),
         _root_uri(dst),
         pool,
         direct_io=direct_io,

@@ -102,6 +102,11 @@ def _state_tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def _tier_arg(path: Any) -> Any:
+    """A tier as the engine's TierSet takes it: a path or URI, or an open Storage."""
+    return path if isinstance(path, _ext.Storage) else os.fspath(path)
+
+
 def memory_tier_name(root: str) -> str:
     """The shm:// name of the memory tier of the run checkpointing to `root` on this
     node: derived from the root's real path (a URI root such as s3://: from the URI),
@@ -170,7 +175,7 @@ class _StagingWriter(StorageWriter):
         mgr._budget.check(self.slot, int(_ext.staged_bytes(lengths)))
         # The slot may still hold an older memory-tier checkpoint: uncommit it before
         # a single byte of it changes.
-        _ext.uncommit(mgr._slot_uri(self.slot))
+        _ext.uncommit(mgr._memory_storage, _ext.TierSet.slot_dir(self.slot))
         staged, _ = mgr._stager.stage(self.slot, sources, lengths=lengths,
                                       midway=lambda: _chaos.point("stage"))  # half written
         mgr._slot_held = self.slot
@@ -406,10 +411,13 @@ class CheckpointManager:
         self.keep_local = keep_local or keep or 3
         self.memory = bool(memory)
         # The tiers' URIs (checked apart), discovery, slot choice, retention (C++).
-        self._tiers = _ext.TierSet(os.fspath(root), None if local is None else os.fspath(local),
+        # Each tier's storage is opened once there (a Storage given as root or local,
+        # e.g. a fault-injecting wrapper, is used as it is).
+        self._tiers = _ext.TierSet(_tier_arg(root), None if local is None else _tier_arg(local),
                                    memory=self.memory, num_slots=memory_slots, keep=keep,
                                    keep_local=self.keep_local)
         self.root, self.local = self._tiers.root, self._tiers.local
+        self._memory_storage = self._tiers.storage("memory")
         self.durable_every = durable_every
         self.timeout = float(timeout)
         self.direct_io = direct_io
@@ -502,9 +510,6 @@ class CheckpointManager:
             self._stager_obj = SlotStager(self._pool)
         self._stager_obj.device_path_for_tests = self._device_path_for_tests
         return self._stager_obj
-
-    def _slot_uri(self, slot: int) -> str:
-        return self._tiers.slot_uri(slot)
 
     def _agree(self, value: Any) -> Any:
         """The coordinator's `value`, on every rank."""
@@ -670,7 +675,7 @@ class CheckpointManager:
             body = self._body(rec, everyone, size_key="capacity")
         body = self._agree(body)
         if self._node_leader:
-            _ext.commit_manifest(self._slot_uri(slot), body)
+            _ext.commit_manifest(self._memory_storage, body, dir=_ext.TierSet.slot_dir(slot))
         rec.everyone = everyone
         rec.body = body
         rec.tiers_done.append("memory")
@@ -690,13 +695,15 @@ class CheckpointManager:
             rec.tiers_done.append(tier)
 
     def _persist_to(self, rec: _Save, tier: str, everyone: list[dict]) -> None:
-        uri = self._tiers.step_uri(tier, rec.step)
+        uri = self._tiers.step_uri(tier, rec.step)  # for messages
+        storage, step_dir = self._tiers.storage(tier), _ext.TierSet.step_dir(rec.step)
         err, size = None, 0
         try:
-            _ext.uncommit(uri)
-            size = self._pool.write_data_file(rec.writer.staged, uri,
-                                              _ext.data_file_key(self.rank), self._io_pool,
-                                              direct_io=self.direct_io, sync=True,
+            _ext.uncommit(storage, step_dir)
+            size = self._pool.write_data_file(rec.writer.staged, storage,
+                                              _ext.join_key(step_dir,
+                                                            _ext.data_file_key(self.rank)),
+                                              self._io_pool, direct_io=self.direct_io, sync=True,
                                               block_size=int(_ext.DEFAULT_BLOCK_SIZE))
         except BaseException as e:
             err = f"rank {self.rank}: writing {uri}: {e}"
@@ -710,7 +717,7 @@ class CheckpointManager:
             sized = [dict(o, tier_size=x["size"]) for o, x in zip(everyone, outcome)]
             body = self._body(rec, sized, size_key="tier_size")
             _chaos.point("commit")  # every data file durable, no manifest yet
-            _ext.commit_manifest(uri, body)
+            _ext.commit_manifest(storage, body, dir=step_dir)
             self._prune(tier)
 
     def _body(self, rec: _Save, everyone: list[dict], size_key: str) -> _ext.Manifest:
@@ -857,6 +864,11 @@ class CheckpointManager:
 
     def candidates(self) -> list[tuple[int, str, str]]:
         """This rank's committed checkpoints, as (step, tier, uri), fastest tier first."""
+        return [c[:3] for c in self._candidates()]
+
+    def _candidates(self) -> list[tuple[int, str, str, str]]:
+        """candidates() with each one's name: its directory in the tier's storage
+        ("" for the cluster view)."""
         out = []
         if self.memory and self._repl.multi:
             out.extend(self._repl.candidates())  # collective: memory and peer tiers
@@ -881,17 +893,17 @@ class CheckpointManager:
             self._open_readers.clear()
 
     def _restore(self, state: dict[str, Any]) -> int | None:
-        mine = self.candidates()
+        mine = self._candidates()
         # The steps every rank holds, newest first, and each rank's fastest source
         # of one not failed yet (C++).
-        plan = _ext.RestorePlanner(mine, self._gather(sorted({(s, t) for s, t, _ in mine})))
+        plan = _ext.RestorePlanner(mine, self._gather(sorted({(s, t) for s, t, _, _ in mine})))
         if not plan.steps:
             self._plan_ahead(state)
             self.prepare(state)
             return None
         for step in plan.steps:
             while True:
-                choice = plan.next(step)  # (tier, uri) or None
+                choice = plan.next(step)  # (tier, uri, name) or None
                 ok, reader, err = choice is not None, None, None
                 uri = None if choice is None else choice[1]
                 if self._repl.multi and any(self._gather(uri == "cluster")):
@@ -904,8 +916,12 @@ class CheckpointManager:
                 if choice is not None and ok:
                     try:
                         engine = self._open_readers.pop(uri, None)
-                        reader = (Reader(uri) if engine is None
-                                  else Reader._of_engine_reader(uri, engine))
+                        if engine is not None:  # opened by candidates()
+                            reader = Reader._of_engine_reader(uri, engine)
+                        elif choice[0] in ("local", "durable"):  # in the tier's storage
+                            reader = Reader._in(self._tiers.storage(choice[0]), choice[2], uri)
+                        else:  # the replication view the engine just assembled
+                            reader = Reader(uri)
                     except BaseException as e:  # noqa: BLE001 - agreed on below
                         ok, err = False, e
                 verdicts = self._gather((ok, None if choice is None else choice[0]))

@@ -301,6 +301,22 @@ Status CopyCheckpoint(Storage* src, std::string_view src_dir, Storage* dst,
   return CommitManifest(dst, dst_dir, m).WithContext(where);
 }
 
+Status CopyCheckpointTo(Storage* src, std::string_view dst_uri, ThreadPool* pool,
+                        const ProgressFn& progress, const CopyOptions& opts) {
+  // Checked before OpenStorage creates the destination, so that a refused
+  // copy (e.g. `cairn cp ck ck/sub`) does not even leave a directory behind.
+  std::string dst_local = LocalDirOfUri(dst_uri);
+  if (!src->LocalPath().empty() && !dst_local.empty()) {
+    auto rel = RelateLocalDirs(src->LocalPath(), dst_local);
+    if (!rel.ok()) return rel.status();
+    CAIRN_RETURN_IF_ERROR(
+        CheckCopyTargets(*rel, src->Describe(), std::string(dst_uri)).WithContext("copying"));
+  }
+  auto out = OpenStorage(dst_uri, /*create=*/true);
+  if (!out.ok()) return out.status();
+  return CopyCheckpoint(src, "", out->get(), "", pool, progress, opts);
+}
+
 Status CopyCheckpointUri(std::string_view src_uri, std::string_view dst_uri, ThreadPool* pool,
                          const ProgressFn& progress, const CopyOptions& opts) {
   auto in = OpenStorage(src_uri, /*create=*/false);
@@ -309,18 +325,7 @@ Status CopyCheckpointUri(std::string_view src_uri, std::string_view dst_uri, Thr
                ? NotFoundError("no such checkpoint: " + std::string(src_uri))
                : in.status();
   }
-  // Checked before OpenStorage creates the destination, so that a refused
-  // copy (e.g. `cairn cp ck ck/sub`) does not even leave a directory behind.
-  std::string dst_local = LocalDirOfUri(dst_uri);
-  if (!(*in)->LocalPath().empty() && !dst_local.empty()) {
-    auto rel = RelateLocalDirs((*in)->LocalPath(), dst_local);
-    if (!rel.ok()) return rel.status();
-    CAIRN_RETURN_IF_ERROR(
-        CheckCopyTargets(*rel, (*in)->Describe(), std::string(dst_uri)).WithContext("copying"));
-  }
-  auto out = OpenStorage(dst_uri, /*create=*/true);
-  if (!out.ok()) return out.status();
-  return CopyCheckpoint(in->get(), "", out->get(), "", pool, progress, opts);
+  return CopyCheckpointTo(in->get(), dst_uri, pool, progress, opts);
 }
 
 }  // namespace cairn

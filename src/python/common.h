@@ -21,23 +21,31 @@
 
 namespace cairn::python {
 
-// A Storage owned by Python (_ext.Storage, from _ext.open_storage).
+// A Storage held by Python (_ext.Storage): opened once from a URI by
+// _ext.open_storage where a user's path enters the package, made by a wrapper
+// (FaultInjector.wrap), or a tier TierSet keeps. Every engine binding takes
+// one (and a directory below its root), never a URI. Shared: a wrapper, a
+// reader or a tier set keeps what it uses alive.
 struct PyStorage {
-  std::unique_ptr<Storage> s;
+  std::shared_ptr<Storage> s;
+  // The URI it was opened from; a wrapper's or tier's is its Describe().
+  std::string uri;
 };
 
 // A CheckpointReader together with the Storage it reads from
-// (_ext.CheckpointReader): opened from a URI, or handed over by the engine
+// (_ext.CheckpointReader): opened on a Storage, or handed over by the engine
 // (the memory-tier readers TierSet opened while listing candidates).
 class PyCheckpointReader {
  public:
-  // Opens the committed checkpoint at `uri`: manifest validated, data file
-  // sizes checked (raises on failure).
-  explicit PyCheckpointReader(const std::string& uri);
-  PyCheckpointReader(std::string uri, std::unique_ptr<Storage> storage,
+  // Opens the committed checkpoint in `dir` of `storage`: manifest
+  // validated, data file sizes checked (raises on failure). `name` is what
+  // messages call it.
+  PyCheckpointReader(const PyStorage& storage, const std::string& dir);
+  PyCheckpointReader(std::string uri, std::shared_ptr<Storage> storage,
                      std::unique_ptr<CheckpointReader> reader);
 
   const Manifest& manifest() const { return reader_->manifest(); }
+  const std::string& uri() const { return uri_; }
 
   // (kind, index, chunk, dest address, nbytes, byte offset in the item);
   // kind 0 = tensor chunk, 1 = bytes item.
@@ -69,7 +77,7 @@ class PyCheckpointReader {
 
  private:
   std::string uri_;
-  std::unique_ptr<Storage> storage_;
+  std::shared_ptr<Storage> storage_;
   std::unique_ptr<CheckpointReader> reader_;
   std::unique_ptr<ItemIndex> index_;  // over reader_'s manifest
 };
@@ -88,15 +96,8 @@ T ValueOrThrow(Result<T>&& r) {
   return std::move(r).value();
 }
 
-// Opens the storage at `uri` and returns fn(storage), all with the GIL
-// released (the caller converts the Result afterwards).
-template <typename T, typename Fn>
-Result<T> WithStorage(const std::string& uri, bool create, Fn&& fn) {
-  nanobind::gil_scoped_release release;
-  Result<std::unique_ptr<Storage>> storage = OpenStorage(uri, create);
-  if (!storage.ok()) return storage.status();
-  return fn(storage->get());
-}
+// The URI of `dir` below a storage's root, for messages.
+std::string StorageUri(const PyStorage& storage, const std::string& dir);
 
 inline DataFileOptions MakeDataFileOptions(bool direct_io, bool sync, uint64_t block_size) {
   DataFileOptions opts;

@@ -26,13 +26,14 @@ namespace cairn::python {
 
 namespace {
 
-// OpenStorage of `uri`, which must exist: NotFound says "no such <what>: <uri>".
-Result<std::unique_ptr<Storage>> OpenExisting(const std::string& uri, const char* what) {
-  auto storage = OpenStorage(uri, /*create=*/false);
-  if (!storage.ok() && storage.status().code() == StatusCode::kNotFound) {
-    return NotFoundError(std::string("no such ") + what + ": " + uri);
-  }
-  return storage;
+// Checks that `dir` of `storage` exists: NotFound says "no such <what>:
+// <uri>". A storage's root always exists (it was opened).
+Status CheckExists(const PyStorage& storage, const std::string& dir, const char* what) {
+  if (dir.empty()) return Status::OK();
+  CAIRN_ASSIGN_OR_RETURN(bool there, storage.s->Exists(dir));
+  if (!there)
+    return NotFoundError(std::string("no such ") + what + ": " + StorageUri(storage, dir));
+  return Status::OK();
 }
 
 // A new bytes object of r->size bytes, which `r` then reads into (it is
@@ -46,16 +47,24 @@ nb::object NewBytesFor(ReadRequest* r) {
 
 }  // namespace
 
-PyCheckpointReader::PyCheckpointReader(const std::string& uri) : uri_(uri) {
+std::string StorageUri(const PyStorage& storage, const std::string& dir) {
+  std::string base = storage.uri.empty() ? storage.s->Describe() : storage.uri;
+  if (dir.empty()) return base;
+  while (!base.empty() && base.back() == '/') base.pop_back();
+  return base + "/" + dir;
+}
+
+PyCheckpointReader::PyCheckpointReader(const PyStorage& storage, const std::string& dir)
+    : uri_(StorageUri(storage, dir)), storage_(storage.s) {
   WithoutGil([&]() -> Status {
-    CAIRN_ASSIGN_OR_RETURN(storage_, OpenExisting(uri, "checkpoint"));
-    CAIRN_ASSIGN_OR_RETURN(reader_, CheckpointReader::Open(storage_.get(), ""));
+    CAIRN_RETURN_IF_ERROR(CheckExists(storage, dir, "checkpoint"));
+    CAIRN_ASSIGN_OR_RETURN(reader_, CheckpointReader::Open(storage_.get(), dir));
     index_ = std::make_unique<ItemIndex>(reader_->manifest());
     return reader_->CheckFiles();
   });
 }
 
-PyCheckpointReader::PyCheckpointReader(std::string uri, std::unique_ptr<Storage> storage,
+PyCheckpointReader::PyCheckpointReader(std::string uri, std::shared_ptr<Storage> storage,
                                        std::unique_ptr<CheckpointReader> reader)
     : uri_(std::move(uri)),
       storage_(std::move(storage)),
@@ -201,41 +210,39 @@ void RegisterCheckpoint(nb::module_& m) {
 
   m.def(
       "write_data_file",
-      [](const std::string& uri, const std::string& key,
+      [](PyStorage& storage, const std::string& key,
          const std::vector<std::pair<uintptr_t, uint64_t>>& buffers, ThreadPool& pool,
          bool direct_io, bool sync, uint64_t block_size) {
         std::vector<BufferRef> refs = BufferRefs(buffers);
         DataFileOptions opts = MakeDataFileOptions(direct_io, sync, block_size);
         DataFileResult res =
-            ValueOrThrow(WithStorage<DataFileResult>(uri, /*create=*/true, [&](Storage* st) {
-              return WriteDataFile(st, key, refs, &pool, opts);
-            }));
+            WithoutGil([&] { return WriteDataFile(storage.s.get(), key, refs, &pool, opts); });
         return DataFileTuple(res);
       },
-      nb::arg("uri"), nb::arg("key"), nb::arg("buffers"), nb::arg("pool"),
+      nb::arg("storage"), nb::arg("key"), nb::arg("buffers"), nb::arg("pool"),
       nb::arg("direct_io") = false, nb::arg("sync") = true,
       nb::arg("block_size") = format::kDefaultBlockSize,
-      "Writes (address, nbytes) buffers into file `key` of the checkpoint at `uri`.\n"
+      "Writes (address, nbytes) buffers into file `key` of `storage`.\n"
       "Returns (file_size, [(offset, length, [block checksums])...]).");
 
   m.def(
       "write_data_file_staged",
-      [](const std::string& stage_uri, const std::string& target_uri, const std::string& key,
+      [](const std::string& stage_dir, PyStorage& target, const std::string& key,
          const std::vector<std::pair<uintptr_t, uint64_t>>& buffers, ThreadPool& pool,
          ThreadPool& copy_pool, bool direct_io, bool sync, uint64_t block_size) {
         std::vector<BufferRef> refs = BufferRefs(buffers);
         DataFileOptions opts = MakeDataFileOptions(false, false, block_size);
         DataFileResult res = WithoutGil([&]() -> Result<DataFileResult> {
+          if (stage_dir.empty()) return InvalidArgumentError("empty staging directory");
           // The staged copy is transient: gone whatever happened.
           struct RemoveStage {
-            const std::string& uri;
+            const std::string& dir;
             ~RemoveStage() {
               std::error_code ec;
-              std::filesystem::remove_all(LocalDirOfUri(uri), ec);
+              std::filesystem::remove_all(dir, ec);
             }
-          } remove_stage{stage_uri};
-          CAIRN_ASSIGN_OR_RETURN(auto stage, OpenStorage(stage_uri, /*create=*/true));
-          CAIRN_ASSIGN_OR_RETURN(auto target, OpenStorage(target_uri, /*create=*/true));
+          } remove_stage{stage_dir};
+          CAIRN_ASSIGN_OR_RETURN(auto stage, NewPosixStorage(stage_dir, /*create=*/true));
           CopyFileOptions copy;
           copy.direct_io = direct_io;
           copy.sync = sync;
@@ -243,59 +250,50 @@ void RegisterCheckpoint(nb::module_& m) {
           // (16 MiB made the staged save 0.25 s slower than its bandwidth
           // bound at 50 MB/s; an S3 target still sends whole parts).
           copy.chunk_bytes = uint64_t{4} << 20;
-          return WriteDataFileStaged(stage.get(), target.get(), key, refs, &pool, &copy_pool, opts,
-                                     copy);
+          return WriteDataFileStaged(stage.get(), target.s.get(), key, refs, &pool, &copy_pool,
+                                     opts, copy);
         });
         return DataFileTuple(res);
       },
-      nb::arg("stage_uri"), nb::arg("target_uri"), nb::arg("key"), nb::arg("buffers"),
-      nb::arg("pool"), nb::arg("copy_pool"), nb::arg("direct_io") = false, nb::arg("sync") = true,
+      nb::arg("stage_dir"), nb::arg("target"), nb::arg("key"), nb::arg("buffers"), nb::arg("pool"),
+      nb::arg("copy_pool"), nb::arg("direct_io") = false, nb::arg("sync") = true,
       nb::arg("block_size") = format::kDefaultBlockSize,
-      "write_data_file into `key` of the local `stage_uri`, copied to `key` of `target_uri`\n"
-      "while it is being written (each range as soon as it is complete, on `copy_pool`;\n"
-      "the target synced unless sync=False), then `stage_uri` is removed, also on failure.\n"
+      "write_data_file into `key` of the local directory `stage_dir`, copied to `key` of the\n"
+      "`target` storage while it is being written (each range as soon as it is complete, on\n"
+      "`copy_pool`; the target synced unless sync=False), then `stage_dir` is removed, also\n"
+      "on failure.\n"
       "Returns write_data_file's result.");
 
   m.def(
       "commit_manifest",
-      [](const std::string& uri, const Manifest& manifest) {
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          auto storage = OpenStorage(uri, /*create=*/true);
-          s = storage.ok() ? CommitManifest(storage->get(), "", manifest) : storage.status();
-        }
-        ThrowIfError(s);
+      [](PyStorage& storage, const Manifest& manifest, const std::string& dir) {
+        WithoutGil([&] { return CommitManifest(storage.s.get(), dir, manifest); });
       },
-      nb::arg("uri"), nb::arg("manifest"),
-      "Validates a Manifest and commits it (written last, atomically).");
+      nb::arg("storage"), nb::arg("manifest"), nb::arg("dir") = "",
+      "Validates a Manifest and commits it in `dir` of `storage` (written last, atomically).");
 
   m.def(
       "uncommit",
-      [](const std::string& uri, bool clear_data) {
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          auto storage = OpenStorage(uri, /*create=*/true);
-          s = storage.ok() ? UncommitCheckpoint(storage->get(), "") : storage.status();
-          if (s.ok() && clear_data) s = storage->get()->DeleteDir(format::kDataDir);
-        }
-        ThrowIfError(s);
+      [](PyStorage& storage, const std::string& dir, bool clear_data) {
+        WithoutGil([&]() -> Status {
+          CAIRN_RETURN_IF_ERROR(UncommitCheckpoint(storage.s.get(), dir));
+          if (clear_data) return storage.s->DeleteDir(JoinKey(dir, format::kDataDir));
+          return Status::OK();
+        });
       },
-      nb::arg("uri"), nb::arg("clear_data") = false,
-      "Removes the manifest at `uri` if any (the directory becomes partial), and with\n"
-      "clear_data its old data files.");
+      nb::arg("storage"), nb::arg("dir") = "", nb::arg("clear_data") = false,
+      "Removes the manifest in `dir` of `storage` if any (the directory becomes partial),\n"
+      "and with clear_data its old data files.");
 
   m.def(
       "has_manifest",
-      [](const std::string& uri) {
+      [](PyStorage& storage, const std::string& dir) {
         nb::gil_scoped_release release;
-        auto storage = OpenStorage(uri, /*create=*/false);
-        if (!storage.ok()) return false;
-        auto e = storage->get()->Exists(format::kManifestName);
+        auto e = storage.s->Exists(JoinKey(dir, format::kManifestName));
         return e.ok() && *e;
       },
-      nb::arg("uri"), "Whether `uri` holds a cairn manifest (committed or damaged).");
+      nb::arg("storage"), nb::arg("dir") = "",
+      "Whether `dir` of `storage` holds a cairn manifest (committed or damaged).");
 
   m.attr("MAX_BYTES_ITEM_SIZE") = format::kMaxBytesItemSize;
 
@@ -376,9 +374,11 @@ void RegisterCheckpoint(nb::module_& m) {
       .def_prop_ro("num_values", [](const InPlacePlan& p) { return p.values.size(); });
 
   nb::class_<PyCheckpointReader>(m, "CheckpointReader")
-      .def(nb::init<const std::string&>(), nb::arg("uri"),
-           "Opens the committed checkpoint at `uri`: reads and validates the manifest and\n"
-           "checks every data file's size.")
+      .def(nb::init<const PyStorage&, const std::string&>(), nb::arg("storage"),
+           nb::arg("dir") = "",
+           "Opens the committed checkpoint in `dir` of `storage`: reads and validates the\n"
+           "manifest and checks every data file's size.")
+      .def_prop_ro("uri", [](const PyCheckpointReader& r) { return r.uri(); })
       .def("manifest", &PyCheckpointReader::manifest, nb::rv_policy::copy,
            "The validated Manifest (a copy).")
       .def("read", &PyCheckpointReader::Read, nb::arg("requests"), nb::arg("pool"),
@@ -398,35 +398,29 @@ void RegisterCheckpoint(nb::module_& m) {
 
   m.def(
       "verify",
-      [](const std::string& uri, ThreadPool& pool) {
+      [](PyStorage& storage, ThreadPool& pool, const std::string& dir) {
         WithoutGil([&]() -> Status {
-          CAIRN_ASSIGN_OR_RETURN(auto storage, OpenExisting(uri, "checkpoint"));
-          return Verify(storage.get(), "", &pool);
+          CAIRN_RETURN_IF_ERROR(CheckExists(storage, dir, "checkpoint"));
+          return Verify(storage.s.get(), dir, &pool);
         });
       },
-      nb::arg("uri"), nb::arg("pool"), "Checks every byte of the checkpoint at `uri`.");
+      nb::arg("storage"), nb::arg("pool"), nb::arg("dir") = "",
+      "Checks every byte of the checkpoint in `dir` of `storage`.");
 
   m.def(
       "latest_valid",
-      [](const std::string& uri) {
-        return WithoutGil([&]() -> Result<std::optional<std::string>> {
-          CAIRN_ASSIGN_OR_RETURN(auto storage, OpenExisting(uri, "directory"));
-          return LatestValid(storage.get(), "");
-        });
+      [](PyStorage& storage) {
+        return WithoutGil([&] { return LatestValid(storage.s.get(), ""); });
       },
-      nb::arg("root"), "Name of the newest committed checkpoint below `root`, or None.");
+      nb::arg("storage"), "Name of the newest committed checkpoint in `storage`, or None.");
 
   m.def(
       "list_checkpoints",
-      [](const std::string& uri) {
-        Result<std::vector<CheckpointInfo>> r = std::vector<CheckpointInfo>();
-        {
-          nb::gil_scoped_release release;
-          auto storage = OpenStorage(uri, /*create=*/false);
-          r = storage.ok() ? ListCheckpoints(storage->get(), "") : storage.status();
-        }
+      [](PyStorage& storage) {
+        std::vector<CheckpointInfo> listed =
+            WithoutGil([&] { return ListCheckpoints(storage.s.get(), ""); });
         nb::list out;
-        for (const auto& c : ValueOrThrow(std::move(r))) {
+        for (const auto& c : listed) {
           nb::dict d;
           d["name"] = c.name;
           d["step"] = c.step ? nb::cast(*c.step) : nb::none();
@@ -439,20 +433,17 @@ void RegisterCheckpoint(nb::module_& m) {
         }
         return out;
       },
-      nb::arg("root"), "Every directory below `root`, oldest first, as dicts.");
+      nb::arg("storage"), "Every checkpoint directory in `storage`, oldest first, as dicts.");
 
   m.def(
       "prune_checkpoints",
-      [](const std::string& uri, uint64_t keep, bool remove_newer_partials, bool dry_run,
+      [](PyStorage& storage, uint64_t keep, bool remove_newer_partials, bool dry_run,
          std::function<void(const std::string&)> after_uncommit) {
         std::vector<std::string> removed;
         Status s;
         {
           nb::gil_scoped_release release;
-          auto storage = OpenStorage(uri, /*create=*/false);
-          if (!storage.ok()) {
-            s = storage.status();
-          } else {
+          {
             PruneOptions opts;
             opts.keep = keep;
             opts.remove_newer_partials = remove_newer_partials;
@@ -463,35 +454,33 @@ void RegisterCheckpoint(nb::module_& m) {
                 after_uncommit(name);
               };
             }
-            s = Prune(storage->get(), "", opts, &removed);
+            s = Prune(storage.s.get(), "", opts, &removed);
           }
         }
         ThrowIfError(s);
         return removed;
       },
-      nb::arg("root"), nb::arg("keep"), nb::arg("remove_newer_partials") = false,
+      nb::arg("storage"), nb::arg("keep"), nb::arg("remove_newer_partials") = false,
       nb::arg("dry_run") = false, nb::arg("after_uncommit") = nb::none(),
-      "Keeps the newest `keep` committed step_<N> checkpoints below `root`; returns the\n"
+      "Keeps the newest `keep` committed step_<N> checkpoints in `storage`; returns the\n"
       "names removed (manifest first, then data; partial leftovers too).");
 
   m.def(
       "copy_checkpoint",
-      [](const std::string& src, const std::string& dst, ThreadPool& pool, bool direct_io,
-         bool sync, bool verify_destination) {
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          CopyOptions opts;
-          opts.direct_io = direct_io;
-          opts.sync = sync;
-          opts.verify_destination = verify_destination;
-          s = CopyCheckpointUri(src, dst, &pool, {}, opts);
-        }
-        ThrowIfError(s);
+      [](PyStorage& src, const std::string& dst, ThreadPool& pool, bool direct_io, bool sync,
+         bool verify_destination) {
+        CopyOptions opts;
+        opts.direct_io = direct_io;
+        opts.sync = sync;
+        opts.verify_destination = verify_destination;
+        // The destination is opened (created) only once the copy is known not
+        // to overlap its source, so a refused copy leaves nothing behind.
+        WithoutGil([&] { return CopyCheckpointTo(src.s.get(), dst, &pool, {}, opts); });
       },
       nb::arg("src"), nb::arg("dst"), nb::arg("pool"), nb::arg("direct_io") = true,
       nb::arg("sync") = true, nb::arg("verify_destination") = false,
-      "Copies a committed checkpoint; the manifest is committed last at `dst`.");
+      "Copies the committed checkpoint in `src` to the URI `dst` (opened, created, only once\n"
+      "it is known not to overlap `src`); the manifest is committed last there.");
 }
 
 }  // namespace cairn::python

@@ -269,19 +269,18 @@ void RegisterStaging(nb::module_& m) {
           "Each item's block checksums (XXH3-64 per block), hashed in parallel.")
       .def(
           "write_data_file",
-          [](PyStagingPool& self, const StagedSave& save, const std::string& uri,
+          [](PyStagingPool& self, const StagedSave& save, PyStorage& storage,
              const std::string& key, ThreadPool& io_pool, bool direct_io, bool sync,
              uint64_t block_size) {
             StagingPool& p = self.Checked();
             DataFileOptions opts = MakeDataFileOptions(direct_io, sync, block_size);
-            return ValueOrThrow(WithStorage<uint64_t>(uri, /*create=*/true, [&](Storage* st) {
-              return p.WriteDataFile(save, st, key, opts, &io_pool);
-            }));
+            return WithoutGil(
+                [&] { return p.WriteDataFile(save, storage.s.get(), key, opts, &io_pool); });
           },
-          nb::arg("save"), nb::arg("uri"), nb::arg("key"), nb::arg("pool"),
+          nb::arg("save"), nb::arg("storage"), nb::arg("key"), nb::arg("pool"),
           nb::arg("direct_io") = true, nb::arg("sync") = true,
           nb::arg("block_size") = kChecksumBlockSize,
-          "Writes the save's bytes of the slot as data file `key` below `uri` (on the I/O "
+          "Writes the save's bytes of the slot as data file `key` of `storage` (on the I/O "
           "`pool`); every item keeps its slot offset. Returns the file size.")
       .def(
           "release",

@@ -88,12 +88,11 @@ void RegisterStock(nb::module_& m) {
       nb::arg("fqn_repr"), "One item's bytes as a bytearray, bounds-checked against the file.");
   m.def(
       "is_stock_checkpoint",
-      [](const std::string& uri) {
+      [](PyStorage& storage) {
         nb::gil_scoped_release release;
-        Result<std::unique_ptr<Storage>> storage = OpenStorage(uri, /*create=*/false);
-        return storage.ok() && stock::IsStockCheckpoint(storage->get());
+        return stock::IsStockCheckpoint(storage.s.get());
       },
-      nb::arg("uri"), "Whether `uri` is a directory holding a stock DCP metadata pickle.");
+      nb::arg("storage"), "Whether `storage` holds a stock DCP metadata pickle at its root.");
   // The decoded metadata: read-only views that DCP's Metadata is built from.
   nb::class_<stock::StockChunk>(m, "StockChunk")
       .def_ro("offsets", &stock::StockChunk::offsets)
@@ -127,12 +126,11 @@ void RegisterStock(nb::module_& m) {
       .def_ro("version", &stock::StockMetadata::version);
   m.def(
       "read_stock_metadata",
-      [](const std::string& uri, const std::string& name) {
-        return ValueOrThrow(WithStorage<stock::StockMetadata>(
-            uri, false, [&](Storage* st) { return stock::ReadStockMetadata(st, name); }));
+      [](PyStorage& storage, const std::string& name) {
+        return WithoutGil([&] { return stock::ReadStockMetadata(storage.s.get(), name); });
       },
-      nb::arg("uri"), nb::arg("name"),
-      "Reads and validates the metadata file `name` of the stock checkpoint at `uri` with the\n"
+      nb::arg("storage"), nb::arg("name"),
+      "Reads and validates the metadata file `name` of the stock checkpoint in `storage` with the\n"
       "engine's restricted pickle reader (nothing is unpickled). CorruptionError for a\n"
       "hostile or malformed file, NotFoundError when it is missing.");
   m.def(

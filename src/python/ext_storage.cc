@@ -1,6 +1,7 @@
-// Bindings for the storage layer: a Storage opened from a URI (whole-file
-// helpers for the Python package and tests) and the fault injector that tests
-// use to make saves fail through "fault://NAME/..." URIs.
+// Bindings for the storage layer: a Storage opened once from a URI (the
+// object every engine binding takes, with whole-file helpers for the package
+// and tests) and the fault injector that wraps one, so that tests can make the
+// saves and loads that use the wrapped storage fail.
 //
 // Every call that touches storage releases the GIL.
 #include <nanobind/stl/string.h>
@@ -22,16 +23,9 @@ namespace nb = nanobind;
 namespace cairn::python {
 namespace {
 
-// A FaultInjector, optionally registered under a name for fault:// URIs.
+// A FaultInjector shared by the Python object and every storage it wrapped.
 struct PyFaultInjector {
   std::shared_ptr<FaultInjector> inj = std::make_shared<FaultInjector>();
-  std::string name;  // empty when not registered
-
-  ~PyFaultInjector() { Unregister(); }
-  void Unregister() {
-    if (!name.empty()) UnregisterFaultInjector(name, inj.get());
-    name.clear();
-  }
 };
 
 FaultOp OpOrThrow(const std::string& op) { return ValueOrThrow(ParseFaultOp(op)); }
@@ -42,6 +36,9 @@ void RegisterStorage(nb::module_& m) {
   m.def(
       "validate_key", [](const std::string& key) { ThrowIfError(ValidateKey(key)); },
       "Raises ValueError if `key` is not a safe relative storage key.");
+  m.def(
+      "join_key", [](const std::string& a, const std::string& b) { return JoinKey(a, b); },
+      nb::arg("a"), nb::arg("b"), "Two storage keys joined with '/', skipping empty parts.");
   m.def(
       "shm_directory", [](const std::string& name) { return ShmDirectory(name); }, nb::arg("name"),
       "The local directory behind shm://NAME (/dev/shm/NAME).");
@@ -57,13 +54,17 @@ void RegisterStorage(nb::module_& m) {
         return uri;
       },
       nb::arg("uri"),
-      "Returns `uri` if it can name a checkpoint (a path, file://, shm://, s3://, fault://);\n"
+      "Returns `uri` if it can name a checkpoint (a path, file://, shm:// or s3://);\n"
       "InvalidArgumentError otherwise.");
 
   nb::class_<PyStorage>(m, "Storage",
                         "A storage backend opened with open_storage(uri). Keys are relative, "
                         "'/'-separated and never leave the root.")
       .def("describe", [](PyStorage& self) { return self.s->Describe(); })
+      .def_prop_ro(
+          "uri", [](PyStorage& self) { return self.uri; },
+          "The URI it was opened from (a wrapper's: its Describe()).")
+      .def("__repr__", [](PyStorage& self) { return "<cairn Storage " + self.uri + ">"; })
       .def("local_path", [](PyStorage& self) { return self.s->LocalPath(); })
       .def(
           "write_file",
@@ -132,27 +133,29 @@ void RegisterStorage(nb::module_& m) {
   m.def(
       "open_storage",
       [](const std::string& uri, bool create) {
-        return new PyStorage{WithoutGil([&] { return OpenStorage(uri, create); })};
+        std::unique_ptr<Storage> st = WithoutGil([&] { return OpenStorage(uri, create); });
+        return new PyStorage{std::move(st), uri};
       },
       nb::arg("uri"), nb::arg("create") = true, nb::rv_policy::take_ownership,
-      "Opens a path, file://PATH, shm://NAME, mem:// or fault://NAME/SUB.");
+      "Opens a path, file://PATH, shm://NAME, s3://BUCKET/PREFIX, mem:// or slow://PATH?...\n"
+      "(the one scheme registry, include/cairn/storage.h).");
 
   nb::class_<PyFaultInjector>(
       m, "FaultInjector",
-      "Injects storage faults. FaultInjector(name, base) registers fault://name/... as `base` "
-      "(a path, file:// or shm:// URI) seen through this injector, in this process, until "
-      "close(). Rules: add_rule(op, errno=EIO, nth=1, count=1, key='', partial_bytes=-1, "
-      "crash=False); op is one of create, open, write, allocate, sync, close, read, rename, "
-      "syncdir, createdir, delete, deletedir, list, exists, filesize.")
+      "Injects storage faults into the storages it wraps: wrap(storage) returns a Storage that "
+      "forwards to `storage` through this injector's rules, latencies and counters. Rules: "
+      "add_rule(op, errno=EIO, nth=1, count=1, key='', partial_bytes=-1, crash=False); op is "
+      "one of create, open, write, allocate, sync, close, read, rename, syncdir, createdir, "
+      "delete, deletedir, list, exists, filesize.")
+      .def(nb::init<>())
       .def(
-          "__init__",
-          [](PyFaultInjector* self, const std::string& name, const std::string& base) {
-            new (self) PyFaultInjector();
-            ThrowIfError(RegisterFaultInjector(name, base, self->inj));
-            self->name = name;
+          "wrap",
+          [](PyFaultInjector& self, PyStorage& base) {
+            auto st = std::make_shared<FaultInjectionStorage>(base.s, self.inj);
+            return new PyStorage{std::move(st), base.uri};
           },
-          nb::arg("name"), nb::arg("base"))
-      .def_prop_ro("uri", [](PyFaultInjector& self) { return "fault://" + self.name; })
+          nb::arg("storage"), nb::rv_policy::take_ownership,
+          "A Storage over `storage` seen through this injector (it keeps both alive).")
       .def(
           "add_rule",
           [](PyFaultInjector& self, const std::string& op, int err, uint64_t nth, uint64_t count,
@@ -185,10 +188,7 @@ void RegisterStorage(nb::module_& m) {
       .def("calls", [](PyFaultInjector& self,
                        const std::string& op) { return self.inj->Calls(OpOrThrow(op)); })
       .def_prop_ro("injected", [](PyFaultInjector& self) { return self.inj->Injected(); })
-      .def("reset_counters", [](PyFaultInjector& self) { self.inj->ResetCounters(); })
-      .def("close", [](PyFaultInjector& self) { self.Unregister(); })
-      .def("__enter__", [](nb::handle self) { return nb::borrow(self); })
-      .def("__exit__", [](PyFaultInjector& self, nb::args) { self.Unregister(); });
+      .def("reset_counters", [](PyFaultInjector& self) { self.inj->ResetCounters(); });
 }
 
 }  // namespace cairn::python

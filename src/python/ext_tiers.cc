@@ -136,14 +136,14 @@ void RegisterTiers(nb::module_& m) {
       "memory_limit (None, bytes, or a fraction of /dev/shm) in bytes, validated.");
   m.def(
       "latest_valid_uri",
-      [](const std::string& root) {
+      [](PyStorage& root) {
         std::vector<SkippedCheckpoint> skipped;
-        auto uri = WithoutGil([&] { return LatestValidUri(root, &skipped); });
+        auto uri = WithoutGil([&] { return LatestValidIn(root.s.get(), root.uri, &skipped); });
         return nb::make_tuple(uri, SkippedList(skipped));
       },
       nb::arg("root"),
-      "(URI of the newest committed checkpoint below `root` or None, [(uri, status) of damaged "
-      "newer ones]).");
+      "(URI of the newest committed checkpoint in the storage `root` or None, [(uri, status) "
+      "of damaged newer ones]).");
   m.def(
       "pick_drill_checkpoint",
       [](const std::string& root, const std::string& tier, const std::string& local) {
@@ -184,17 +184,34 @@ void RegisterTiers(nb::module_& m) {
   nb::class_<TierSet>(m, "TierSet", "The tiers of one CheckpointManager (cairn/tiers.h).")
       .def(
           "__init__",
-          [](TierSet* self, const std::string& root, std::optional<std::string> local, bool memory,
-             uint32_t num_slots, std::optional<uint64_t> keep, uint64_t keep_local) {
-            if (local && local->empty()) {  // given, but empty (None is no local tier)
-              RaiseStatus(InvalidArgumentError("invalid local directory ''"));
+          [](TierSet* self, nb::handle root, nb::handle local, bool memory, uint32_t num_slots,
+             std::optional<uint64_t> keep, uint64_t keep_local) {
+            TierSetOptions o;
+            // A tier is a path or URI (opened here, once) or a Storage the
+            // caller opened (a fault-injecting wrapper, say).
+            if (nb::isinstance<PyStorage>(root)) {
+              o.root_storage = nb::cast<PyStorage&>(root).s;
+            } else {
+              o.root = nb::cast<std::string>(root);
             }
-            TierSetOptions o{root, local.value_or(""), memory, num_slots, keep, keep_local};
+            if (nb::isinstance<PyStorage>(local)) {
+              o.local_storage = nb::cast<PyStorage&>(local).s;
+            } else if (!local.is_none()) {
+              o.local = nb::cast<std::string>(local);
+              if (o.local.empty()) {  // given, but empty (None is no local tier)
+                RaiseStatus(InvalidArgumentError("invalid local directory ''"));
+              }
+            }
+            o.memory = memory;
+            o.num_slots = num_slots;
+            o.keep = keep;
+            o.keep_local = keep_local;
             std::unique_ptr<TierSet> t = WithoutGil([&] { return TierSet::Open(std::move(o)); });
             new (self) TierSet(std::move(*t));
           },
-          nb::arg("root"), nb::arg("local") = nb::none(), nb::arg("memory") = true,
-          nb::arg("num_slots") = 1, nb::arg("keep") = 3, nb::arg("keep_local") = 3)
+          nb::arg("root"), nb::arg("local").none() = nb::none(), nb::arg("memory") = true,
+          nb::arg("num_slots") = 1, nb::arg("keep") = 3, nb::arg("keep_local") = 3,
+          "root, local: a path or URI, or an open Storage.")
       .def_prop_ro("root", &TierSet::root)
       .def_prop_ro(
           "local",
@@ -221,6 +238,17 @@ void RegisterTiers(nb::module_& m) {
           },
           nb::arg("tier"))
       .def("slot_uri", &TierSet::SlotUri, nb::arg("slot"))
+      .def(
+          "storage",
+          [](const TierSet& t, const std::string& tier) {
+            std::shared_ptr<Storage> st = ValueOrThrow(t.TierStorage(Kind(tier)));
+            return new PyStorage{st, st->Describe()};
+          },
+          nb::arg("tier"), nb::rv_policy::take_ownership,
+          "The open storage of the 'memory' (slot<k>/ below it), 'local' or 'durable' tier "
+          "(step_<N>/ below it), kept for the manager's life.")
+      .def_static("step_dir", &StepDirName, nb::arg("step"), "'step_<N>', zero-padded.")
+      .def_static("slot_dir", &TierSet::SlotDirName, nb::arg("slot"), "'slot<k>'.")
       .def("slot_data_path", &TierSet::SlotDataPath, nb::arg("slot"), nb::arg("rank"))
       .def("create_tiers", [](TierSet& t) { WithoutGil([&] { return t.CreateTiers(); }); })
       .def("read_or_create_run_id",
@@ -252,14 +280,16 @@ void RegisterTiers(nb::module_& m) {
             std::vector<SkippedCheckpoint> skipped;
             auto found = WithoutGil([&] { return t.Candidates(with_memory, &memory, &skipped); });
             nb::list out;
-            for (const auto& c : found) out.append(nb::make_tuple(c.step, TierName(c.tier), c.uri));
+            for (const auto& c : found) {
+              out.append(nb::make_tuple(c.step, TierName(c.tier), c.uri, c.name));
+            }
             nb::dict readers;  // {uri: CheckpointReader}, opened on the way
             for (auto& c : memory) readers[nb::cast(c.uri)] = Reader(c);
             return nb::make_tuple(out, SkippedList(skipped), readers);
           },
           nb::arg("with_memory"),
-          "([(step, tier, uri)] fastest tier first, [(uri, status)] skipped, {uri: reader} of "
-          "the memory tier).")
+          "([(step, tier, uri, name)] fastest tier first (name: the directory in the tier's "
+          "storage), [(uri, status)] skipped, {uri: reader} of the memory tier).")
       .def(
           "settle_untracked",
           [](TierSet& t, const std::vector<std::string>& tracked,
@@ -292,10 +322,12 @@ void RegisterTiers(nb::module_& m) {
       .def(
           "__init__",
           [](RestorePlanner* self,
-             const std::vector<std::tuple<uint64_t, std::string, std::string>>& mine,
+             const std::vector<std::tuple<uint64_t, std::string, std::string, std::string>>& mine,
              const std::vector<std::vector<std::pair<uint64_t, std::string>>>& everyone) {
             std::vector<TierCheckpoint> m;
-            for (const auto& [step, tier, uri] : mine) m.push_back({step, Kind(tier), uri});
+            for (const auto& [step, tier, uri, name] : mine) {
+              m.push_back({step, Kind(tier), uri, name});
+            }
             std::vector<std::vector<std::pair<uint64_t, TierKind>>> e(everyone.size());
             for (size_t r = 0; r < everyone.size(); ++r) {
               for (const auto& [step, tier] : everyone[r]) e[r].emplace_back(step, Kind(tier));
@@ -309,9 +341,10 @@ void RegisterTiers(nb::module_& m) {
           [](const RestorePlanner& p, uint64_t step) -> nb::object {
             const TierCheckpoint* c = p.Next(step);
             if (c == nullptr) return nb::none();
-            return nb::make_tuple(TierName(c->tier), c->uri);
+            return nb::make_tuple(TierName(c->tier), c->uri, c->name);
           },
-          nb::arg("step"), "(tier, uri) of this rank's fastest source of `step` left, or None.")
+          nb::arg("step"),
+          "(tier, uri, name) of this rank's fastest source of `step` left, or None.")
       .def(
           "fail",
           [](RestorePlanner& p, uint64_t step, const std::string& tier, const std::string& why) {

@@ -1,13 +1,12 @@
 // OpenStorage: the one place where a URI picks a backend.
-#include "cairn/fault_injection.h"
 #include "cairn/s3.h"
 #include "cairn/storage.h"
 
 namespace cairn {
 
 Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create) {
-  constexpr std::string_view kFile = "file://", kShm = "shm://", kMem = "mem://",
-                             kFault = "fault://", kS3 = "s3://", kSlow = "slow://";
+  constexpr std::string_view kFile = "file://", kShm = "shm://", kMem = "mem://", kS3 = "s3://",
+                             kSlow = "slow://";
   auto starts = [&](std::string_view p) { return uri.substr(0, p.size()) == p; };
   if (uri.empty()) return InvalidArgumentError("empty storage URI");
   if (starts(kShm)) {
@@ -16,7 +15,6 @@ Result<std::unique_ptr<Storage>> OpenStorage(std::string_view uri, bool create) 
     return NewShmStorage(std::string(name), create);
   }
   if (uri == kMem) return std::unique_ptr<Storage>(NewMemStorage());
-  if (starts(kFault)) return OpenFaultStorage(uri, create);
   if (starts(kS3)) return NewS3Storage(uri, S3OptionsFromEnvironment(), create);
   if (starts(kSlow)) return OpenThrottledStorage(uri);
   if (starts(kFile)) uri.remove_prefix(kFile.size());
@@ -45,7 +43,7 @@ Status CheckCheckpointUri(std::string_view uri) {
   if (uri.empty()) return InvalidArgumentError("invalid checkpoint path ''");
   size_t scheme = uri.find("://");
   if (scheme == std::string_view::npos) return Status::OK();
-  for (std::string_view ok : {"file", "shm", "fault", "s3"}) {
+  for (std::string_view ok : {"file", "shm", "s3"}) {
     if (uri.substr(0, scheme) == ok) return Status::OK();
   }
   return InvalidArgumentError("unsupported checkpoint URI scheme: " + std::string(uri));

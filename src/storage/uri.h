@@ -1,5 +1,5 @@
 // SplitUri: the one split of "SCHEME://AUTHORITY/PATH" for the backends whose
-// URIs name something (a registered fault injector, a bucket) before a path.
+// URIs name something (a bucket) before a path.
 #pragma once
 
 #include <string>
@@ -14,8 +14,8 @@ struct UriParts {
   std::string_view path;       // the rest, without trailing '/'; "" when none
 };
 
-// Splits `uri`, which must start with `scheme` (e.g. "fault://"); the parts
-// point into `uri`. kInvalidArgument otherwise ("not a fault:// URI: ...").
+// Splits `uri`, which must start with `scheme` (e.g. "s3://"); the parts
+// point into `uri`. kInvalidArgument otherwise ("not a s3:// URI: ...").
 inline Result<UriParts> SplitUri(std::string_view uri, std::string_view scheme) {
   if (uri.substr(0, scheme.size()) != scheme) {
     return InvalidArgumentError("not a " + std::string(scheme) + " URI: " + std::string(uri));

@@ -20,6 +20,7 @@
 #include "cairn/chaos.h"
 #include "cairn/format.h"
 #include "storage/local_path.h"
+#include "storage/posix/posix_storage.h"
 #include "storage/s3/sigv4.h"
 
 namespace cairn {
@@ -140,7 +141,7 @@ Result<std::string> NormalizeTierUri(std::string_view path, std::string_view wha
   if (path.empty()) return InvalidArgumentError("invalid " + w + " directory ''");
   bool is_uri = path.find("://") != std::string_view::npos;
   bool s3 = what == "root" && StartsWith(path, "s3://");
-  if (is_uri && !s3 && !StartsWith(path, "file://") && !StartsWith(path, "fault://")) {
+  if (is_uri && !s3 && !StartsWith(path, "file://")) {
     return InvalidArgumentError("unsupported " + w + " URI: " + std::string(path));
   }
   if (s3) return TrimTrailingSlashes(path);
@@ -149,15 +150,46 @@ Result<std::string> NormalizeTierUri(std::string_view path, std::string_view wha
   return JoinComponents(comps, comps.size());
 }
 
-std::string ReadRunId(std::string_view root) {
-  auto storage = OpenStorage(root, /*create=*/false);
-  if (!storage.ok()) return {};
-  auto f = (*storage)->NewReadableFile(kRunIdFile);
+namespace {
+
+// ReadRunId of an open durable tier.
+std::string ReadRunIdOf(Storage* storage) {
+  auto f = storage->NewReadableFile(kRunIdFile);
   if (!f.ok()) return {};
   std::string buf((*f)->Size(), '\0');
   if (!(*f)->ReadAt(0, buf.data(), buf.size()).ok()) return {};
   size_t b = buf.find_first_not_of(" \t\r\n"), e = buf.find_last_not_of(" \t\r\n");
   return b == std::string::npos ? std::string() : buf.substr(b, e - b + 1);
+}
+
+// The kept storage of a tier named by a (normalized) URI: a local directory
+// follows its root by path; anything else (s3) is opened once.
+Result<std::shared_ptr<Storage>> OpenTierStorage(const std::string& uri) {
+  std::string dir = LocalDirOfUri(uri);
+  if (dir.empty()) {
+    CAIRN_ASSIGN_OR_RETURN(std::unique_ptr<Storage> st, OpenStorage(uri, /*create=*/true));
+    return std::shared_ptr<Storage>(std::move(st));
+  }
+  internal::PosixStorageOptions o;
+  o.follow_root = true;
+  CAIRN_ASSIGN_OR_RETURN(std::unique_ptr<Storage> st,
+                         internal::NewPosixStorage(dir, /*create=*/false, o));
+  return std::shared_ptr<Storage>(std::move(st));
+}
+
+// The name a tier the caller opened goes by: its local directory, else its
+// Describe().
+std::string NameOfStorage(const Storage& st) {
+  std::string local = st.LocalPath();
+  return local.empty() ? st.Describe() : local;
+}
+
+}  // namespace
+
+std::string ReadRunId(std::string_view root) {
+  auto storage = OpenStorage(root, /*create=*/false);
+  if (!storage.ok()) return {};
+  return ReadRunIdOf(storage->get());
 }
 
 std::vector<MemoryCheckpoint> FindMemoryCheckpoints(std::string_view tier_name,
@@ -187,13 +219,18 @@ std::vector<MemoryCheckpoint> FindMemoryCheckpoints(std::string_view tier_name,
 
 Result<std::optional<std::string>> LatestValidUri(std::string_view root,
                                                   std::vector<SkippedCheckpoint>* skipped) {
-  using Found = std::optional<std::string>;
   auto storage = OpenStorage(root, /*create=*/false);
   if (!storage.ok()) {
-    if (storage.status().code() == StatusCode::kNotFound) return Found();
+    if (storage.status().code() == StatusCode::kNotFound) return std::optional<std::string>();
     return storage.status();
   }
-  auto listed = ListCheckpoints(storage->get(), "");
+  return LatestValidIn(storage->get(), root, skipped);
+}
+
+Result<std::optional<std::string>> LatestValidIn(Storage* storage, std::string_view root,
+                                                 std::vector<SkippedCheckpoint>* skipped) {
+  using Found = std::optional<std::string>;
+  auto listed = ListCheckpoints(storage, "");
   if (!listed.ok()) {
     if (listed.status().code() == StatusCode::kNotFound) return Found();
     return listed.status();
@@ -252,8 +289,16 @@ Result<DrillPick> PickDrillCheckpoint(std::string_view root, std::string_view ti
 Result<std::unique_ptr<TierSet>> TierSet::Open(TierSetOptions opts) {
   if (opts.num_slots < 1) return InvalidArgumentError("memory_slots must be >= 1");
   std::unique_ptr<TierSet> t(new TierSet(std::move(opts)));
-  CAIRN_ASSIGN_OR_RETURN(t->root_, NormalizeTierUri(t->opts_.root, "root"));
-  if (!t->opts_.local.empty()) {
+  if (t->opts_.root_storage) {
+    t->durable_ = t->opts_.root_storage;
+    CAIRN_ASSIGN_OR_RETURN(t->root_, NormalizeTierUri(NameOfStorage(*t->durable_), "root"));
+  } else {
+    CAIRN_ASSIGN_OR_RETURN(t->root_, NormalizeTierUri(t->opts_.root, "root"));
+  }
+  if (t->opts_.local_storage) {
+    t->local_storage_ = t->opts_.local_storage;
+    CAIRN_ASSIGN_OR_RETURN(t->local_, NormalizeTierUri(NameOfStorage(*t->local_storage_), "local"));
+  } else if (!t->opts_.local.empty()) {
     CAIRN_ASSIGN_OR_RETURN(t->local_, NormalizeTierUri(t->opts_.local, "local"));
   }
   t->shm_name_ = MemoryTierName(t->root_);
@@ -262,7 +307,7 @@ Result<std::unique_ptr<TierSet>> TierSet::Open(TierSetOptions opts) {
   std::vector<std::pair<std::string, std::string>> dirs;
   for (auto [name, uri] :
        {std::pair<const char*, const std::string*>{"durable", &t->root_}, {"local", &t->local_}}) {
-    if (uri->empty() || StartsWith(*uri, "fault://") || StartsWith(*uri, "s3://")) continue;
+    if (uri->empty() || StartsWith(*uri, "s3://")) continue;
     std::string dir = LocalDirOfUri(*uri);
     dirs.emplace_back(name, dir.empty() ? *uri : dir);
   }
@@ -277,6 +322,20 @@ Result<std::unique_ptr<TierSet>> TierSet::Open(TierSetOptions opts) {
                                   ": every tier needs a directory of its own");
     }
   }
+  // Opened once, after the checks (nothing is created).
+  if (!t->durable_) {
+    CAIRN_ASSIGN_OR_RETURN(t->durable_, OpenTierStorage(t->root_));
+  }
+  if (!t->local_storage_ && !t->local_.empty()) {
+    CAIRN_ASSIGN_OR_RETURN(t->local_storage_, OpenTierStorage(t->local_));
+  }
+  internal::PosixStorageOptions shm;
+  shm.allow_direct_io = false;
+  shm.describe = "shm://" + t->shm_name_;
+  shm.follow_root = true;
+  CAIRN_ASSIGN_OR_RETURN(std::unique_ptr<Storage> memory,
+                         internal::NewPosixStorage(t->shm_dir_, /*create=*/false, shm));
+  t->memory_ = std::move(memory);
   return t;
 }
 
@@ -286,6 +345,9 @@ TierSet::TierSet(TierSet&& other) noexcept
       local_(std::move(other.local_)),
       shm_name_(std::move(other.shm_name_)),
       shm_dir_(std::move(other.shm_dir_)),
+      durable_(std::move(other.durable_)),
+      local_storage_(std::move(other.local_storage_)),
+      memory_(std::move(other.memory_)),
       run_id_(std::move(other.run_id_)) {}
 
 std::vector<TierKind> TierSet::SlowerTiers() const {
@@ -304,27 +366,34 @@ Result<std::string> TierSet::StepUri(TierKind tier, uint64_t step) const {
   return JoinUri(uri, StepDirName(step));
 }
 
+std::string TierSet::SlotDirName(uint32_t slot) { return "slot" + std::to_string(slot); }
+
 std::string TierSet::SlotUri(uint32_t slot) const {
-  return "shm://" + shm_name_ + "/slot" + std::to_string(slot);
+  return "shm://" + shm_name_ + "/" + SlotDirName(slot);
 }
 
 std::string TierSet::SlotDataPath(uint32_t slot, uint64_t rank) const {
   return shm_dir_ + "/slot" + std::to_string(slot) + "/" + format::DataFileKey(rank);
 }
 
-Result<std::unique_ptr<Storage>> TierSet::TierStorage(TierKind tier, bool create) const {
-  CAIRN_ASSIGN_OR_RETURN(std::string uri, TierUri(tier));
-  return OpenStorage(uri, create);
+Result<std::shared_ptr<Storage>> TierSet::TierStorage(TierKind tier) const {
+  if (tier == TierKind::kDurable) return durable_;
+  if (tier == TierKind::kLocal && local_storage_) return local_storage_;
+  if (tier == TierKind::kMemory) return memory_;
+  return InvalidArgumentError("no " + std::string(TierName(tier)) + " tier directory");
 }
 
 Status TierSet::CreateTiers() {
-  for (TierKind tier : SlowerTiers()) CAIRN_RETURN_IF_ERROR(TierStorage(tier, true).status());
+  for (TierKind tier : SlowerTiers()) {
+    CAIRN_ASSIGN_OR_RETURN(auto storage, TierStorage(tier));
+    CAIRN_RETURN_IF_ERROR(storage->CreateDir(""));
+  }
   return Status::OK();
 }
 
 Result<std::string> TierSet::ReadOrCreateRunId() {
-  CAIRN_ASSIGN_OR_RETURN(auto storage, TierStorage(TierKind::kDurable, /*create=*/true));
-  std::string id = ReadRunId(root_);
+  CAIRN_ASSIGN_OR_RETURN(auto storage, TierStorage(TierKind::kDurable));
+  std::string id = ReadRunIdOf(storage.get());
   if (!id.empty()) return id;
   id = RandomRunId();
   CAIRN_ASSIGN_OR_RETURN(auto f, storage->NewWritableFile(kRunIdFile));
@@ -370,13 +439,13 @@ Result<std::vector<TierCheckpoint>> TierSet::Candidates(bool with_memory,
   std::vector<TierCheckpoint> out;
   if (with_memory) {
     for (auto& c : MemoryCheckpoints()) {
-      out.push_back({c.step, TierKind::kMemory, c.uri});
+      out.push_back({c.step, TierKind::kMemory, c.uri, c.name});
       memory->push_back(std::move(c));
     }
   }
   for (TierKind tier : SlowerTiers()) {
     const std::string& uri = tier == TierKind::kLocal ? local_ : root_;
-    auto storage = TierStorage(tier, /*create=*/false);
+    auto storage = TierStorage(tier);
     Result<std::vector<CheckpointInfo>> listed =
         storage.ok() ? ListCheckpoints(storage->get(), "") : storage.status();
     if (!listed.ok()) {
@@ -386,7 +455,7 @@ Result<std::vector<TierCheckpoint>> TierSet::Candidates(bool with_memory,
     for (const CheckpointInfo& c : *listed) {
       if (!c.step) continue;
       if (c.committed) {
-        out.push_back({*c.step, tier, JoinUri(uri, c.name)});
+        out.push_back({*c.step, tier, JoinUri(uri, c.name), c.name});
       } else if (c.status.code() != StatusCode::kNotFound) {
         // Damaged or unusable (e.g. a FIFO as its manifest): restore moves on.
         skipped->push_back({JoinUri(uri, c.name), c.status});
@@ -397,7 +466,7 @@ Result<std::vector<TierCheckpoint>> TierSet::Candidates(bool with_memory,
 }
 
 Status TierSet::Prune(TierKind tier, std::function<void(const std::string&)> after_uncommit) {
-  CAIRN_ASSIGN_OR_RETURN(auto storage, TierStorage(tier, /*create=*/false));
+  CAIRN_ASSIGN_OR_RETURN(auto storage, TierStorage(tier));
   PruneOptions opts;
   if (tier == TierKind::kLocal) {
     opts.keep = opts_.keep_local;
@@ -416,7 +485,7 @@ Status TierSet::Prune(TierKind tier, std::function<void(const std::string&)> aft
 Result<TierSet::Settled> TierSet::SettleUntracked(const std::vector<std::string>& tracked,
                                                   std::optional<uint64_t> restored) {
   Settled out;
-  auto storage = TierStorage(TierKind::kDurable, /*create=*/false);
+  auto storage = TierStorage(TierKind::kDurable);
   Result<std::vector<CheckpointInfo>> listed =
       storage.ok() ? ListCheckpoints(storage->get(), "") : storage.status();
   if (!listed.ok()) {

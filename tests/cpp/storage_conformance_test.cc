@@ -25,6 +25,7 @@
 
 #include "cairn/fault_injection.h"
 #include "cairn/storage.h"
+#include "storage/posix/posix_storage.h"
 
 namespace cairn {
 namespace {
@@ -59,6 +60,15 @@ std::vector<Backend> AllBackends() {
   std::vector<Backend> out = {
       {"posix", false, true, posix},
       {"posix_direct", true, true, posix},
+      // A manager's tier: the root resolved by its path on every call.
+      {"posix_follow_root", false, true,
+       [](const std::string& scratch, const std::string&) {
+         internal::PosixStorageOptions o;
+         o.follow_root = true;
+         auto r = internal::NewPosixStorage(scratch + "/root", /*create=*/true, o);
+         EXPECT_TRUE(r.ok()) << r.status().ToString();
+         return std::move(r).value();
+       }},
       {"shm", false, true,
        [](const std::string&, const std::string& id) {
          auto r = NewShmStorage(ShmName(id));

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <vector>
 
+#include "cairn/fault_injection.h"
 #include "scratch_dir.h"
 
 namespace cairn {
@@ -181,6 +182,60 @@ TEST(TierSetTest, TiersNotCreatedYetHoldNothing) {
   ASSERT_TRUE(found.ok()) << found.status().ToString();
   EXPECT_TRUE(found->empty());
   EXPECT_FALSE(std::filesystem::exists(o.root));  // nothing created
+}
+
+TEST(TierSetTest, KeepsOneStorageThatFollowsARootMadeAgain) {
+  ScratchDir scratch("tiers");
+  TierSetOptions o;
+  o.root = scratch.path() + "/run";
+  o.memory = false;
+  auto tiers = TierSet::Open(o);
+  ASSERT_TRUE(tiers.ok());
+  TierSet& t = **tiers;
+  auto durable = t.TierStorage(TierKind::kDurable);
+  ASSERT_TRUE(durable.ok());
+  EXPECT_EQ(durable->get(), t.TierStorage(TierKind::kDurable)->get());  // opened once
+  ASSERT_TRUE(t.CreateTiers().ok());
+  SaveAt(t.root(), StepDirName(1), 1);
+  std::filesystem::remove_all(o.root);  // removed under the live set, then made again
+  std::filesystem::create_directories(o.root);
+  SaveAt(t.root(), StepDirName(2), 2);
+  std::vector<MemoryCheckpoint> memory;
+  std::vector<SkippedCheckpoint> skipped;
+  auto found = t.Candidates(false, &memory, &skipped);
+  ASSERT_TRUE(found.ok()) << found.status().ToString();
+  ASSERT_EQ(found->size(), 1u);
+  EXPECT_EQ((*found)[0].step, 2u);
+  EXPECT_EQ((*found)[0].name, StepDirName(2));
+  // Removed for good: nothing to list, and the next write makes it again.
+  std::filesystem::remove_all(o.root);
+  found = t.Candidates(false, &memory, &skipped);
+  ASSERT_TRUE(found.ok());
+  EXPECT_TRUE(found->empty());
+  EXPECT_TRUE((*durable)->PutAtomic("x", "y").ok());
+  EXPECT_TRUE(std::filesystem::exists(o.root + "/x"));
+  EXPECT_EQ(t.TierStorage(TierKind::kLocal).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(TierSetTest, UsesTheStorageItIsGiven) {
+  ScratchDir scratch("tiers");
+  auto base = NewPosixStorage(scratch.path() + "/run");
+  ASSERT_TRUE(base.ok());
+  auto inj = std::make_shared<FaultInjector>();
+  TierSetOptions o;
+  o.root_storage = std::make_shared<FaultInjectionStorage>(std::move(*base), inj);
+  o.memory = false;
+  auto tiers = TierSet::Open(o);
+  ASSERT_TRUE(tiers.ok()) << tiers.status().ToString();
+  TierSet& t = **tiers;
+  EXPECT_EQ(t.root(), scratch.path() + "/run");  // named by its local path
+  EXPECT_EQ(t.shm_name(), MemoryTierName(scratch.path() + "/run"));
+  EXPECT_EQ(t.TierStorage(TierKind::kDurable)->get(), o.root_storage.get());
+  inj->AddRule({.op = FaultOp::kList, .count = 0, .error = EIO});
+  std::vector<MemoryCheckpoint> memory;
+  std::vector<SkippedCheckpoint> skipped;
+  EXPECT_EQ(t.Candidates(false, &memory, &skipped).status().code(), StatusCode::kIOError);
+  EXPECT_GE(inj->Calls(FaultOp::kList), 1u);
 }
 
 TEST(TierSetTest, OldestSlotIsAFreeOneElseTheOldestStep) {

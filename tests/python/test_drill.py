@@ -88,7 +88,7 @@ def test_corrupt_data_file_fails_naming_file_and_tensor(tmp_path, world):
     dcp.save(state(2), storage_writer=cairn.Writer(tmp_path / "step_2"))
     offset = int(subprocess.run([sys.executable, "-c", (
         "import sys; sys.path.insert(0, %r); from cairn import _ext; "
-        "m = _ext.CheckpointReader(%r).manifest(); "
+        "m = _ext.CheckpointReader(_ext.open_storage(%r, create=False)).manifest(); "
         "print(next(t.chunks[0].location.offset for t in m.tensors if t.fqn == 'model.b'))")
         % (str(ROOT / "python"), str(tmp_path / "step_2"))],
         capture_output=True, text=True, check=True).stdout)

@@ -36,12 +36,11 @@ def test_permanent_codes_are_not_transient(code):
 
 def _injected(tmp_path, err):
     import errno
-    import uuid
 
-    with _ext.FaultInjector(f"t{uuid.uuid4().hex[:8]}", str(tmp_path)) as inj:
-        inj.add_rule("write", errno=getattr(errno, err))
-        with pytest.raises(cairn.Error) as ei:
-            _ext.open_storage(inj.uri).write_file("data/r0.bin", b"x")
+    inj = _ext.FaultInjector()
+    inj.add_rule("write", errno=getattr(errno, err))
+    with pytest.raises(cairn.Error) as ei:
+        inj.wrap(_ext.open_storage(str(tmp_path))).write_file("data/r0.bin", b"x")
     return ei.value
 
 

@@ -1,4 +1,4 @@
-"""Fault injection through fault://NAME/... URIs (cairn._ext.FaultInjector)."""
+"""Fault injection by wrapping an open storage (cairn._ext.FaultInjector.wrap)."""
 
 import errno
 import os
@@ -16,15 +16,14 @@ from cairn import errors
 
 @pytest.fixture
 def injector(tmp_path):
-    name = f"t{uuid.uuid4().hex[:8]}"
-    with _ext.FaultInjector(name, str(tmp_path)) as inj:
-        yield inj, tmp_path
+    inj = _ext.FaultInjector()
+    yield inj, tmp_path, inj.wrap(_ext.open_storage(str(tmp_path)))
 
 
-def test_fault_uri_opens_the_registered_base(injector):
-    inj, base = injector
-    assert inj.uri.startswith("fault://")
-    s = _ext.open_storage(inj.uri + "/step_1")
+def test_a_wrapped_storage_reaches_its_base(injector):
+    inj, base, root = injector
+    s = inj.wrap(_ext.open_storage(str(base / "step_1")))
+    assert s.local_path() == str(base / "step_1") and s.uri == str(base / "step_1")
     s.write_file("data/r0.bin", b"hello")
     assert (base / "step_1" / "data" / "r0.bin").read_bytes() == b"hello"
     assert s.read_file("data/r0.bin") == b"hello"
@@ -33,9 +32,8 @@ def test_fault_uri_opens_the_registered_base(injector):
 
 
 def test_enospc_on_a_chosen_file(injector):
-    inj, _ = injector
+    inj, _, s = injector
     inj.add_rule("write", errno=errno.ENOSPC, key="r1.bin", count=0)
-    s = _ext.open_storage(inj.uri)
     s.write_file("data/r0.bin", b"fine")
     with pytest.raises(errors.ResourceExhaustedError) as ei:
         s.write_file("data/r1.bin", b"no room")
@@ -48,9 +46,8 @@ def test_enospc_on_a_chosen_file(injector):
 
 
 def test_nth_call_and_count(injector):
-    inj, _ = injector
+    inj, _, s = injector
     inj.add_rule("sync", errno=errno.EIO, nth=2, count=2)
-    s = _ext.open_storage(inj.uri)
     results = []
     for i in range(5):
         try:
@@ -62,17 +59,15 @@ def test_nth_call_and_count(injector):
 
 
 def test_short_write_leaves_a_partial_file(injector):
-    inj, base = injector
+    inj, base, s = injector
     inj.add_rule("write", errno=errno.EIO, partial_bytes=10)
-    s = _ext.open_storage(inj.uri)
     with pytest.raises(errors.StorageError):
         s.write_file("partial.bin", b"x" * 100)
     assert (base / "partial.bin").stat().st_size == 10
 
 
 def test_rename_and_syncdir_failures_keep_the_old_state(injector):
-    inj, base = injector
-    s = _ext.open_storage(inj.uri)
+    inj, base, s = injector
     s.write_file("cairn.manifest.tmp", b"m")
     rid = inj.add_rule("rename", errno=errno.EACCES, key="cairn.manifest")
     with pytest.raises(errors.PermissionDeniedError):
@@ -88,8 +83,7 @@ def test_rename_and_syncdir_failures_keep_the_old_state(injector):
 
 
 def test_latency_and_bandwidth(injector):
-    inj, _ = injector
-    s = _ext.open_storage(inj.uri)
+    inj, _, s = injector
     inj.set_latency("exists", 0.05)
     t0 = time.monotonic()
     assert not s.exists("nothing")
@@ -101,46 +95,46 @@ def test_latency_and_bandwidth(injector):
     inj.set_bandwidth(0)
 
 
-def test_unknown_operation_and_unregistered_name():
-    with pytest.raises(errors.InvalidArgumentError):
-        _ext.FaultInjector("bad/name", "/tmp")
-    name = f"t{uuid.uuid4().hex[:8]}"
-    inj = _ext.FaultInjector(name, "/tmp")
+def test_unknown_operation_and_no_fault_scheme():
+    inj = _ext.FaultInjector()
     with pytest.raises(ValueError, match="unknown storage operation"):
         inj.add_rule("scribble")
-    inj.close()
-    with pytest.raises(FileNotFoundError):
-        _ext.open_storage(f"fault://{name}/x")
+    # Wrappers wrap open storages: there is no URI scheme (and no registry) for them.
+    with pytest.raises(ValueError, match="unsupported storage URI scheme"):
+        _ext.open_storage(f"fault://t{uuid.uuid4().hex[:8]}/x")
 
 
-def test_closing_a_replaced_injector_keeps_the_new_one(tmp_path):
-    name = f"t{uuid.uuid4().hex[:8]}"
-    old = _ext.FaultInjector(name, str(tmp_path))
-    new = _ext.FaultInjector(name, str(tmp_path))  # re-registers the name
-    new.add_rule("exists", errno=errno.EIO)
-    old.close()
+def test_wrappers_share_one_injector_and_keep_their_base_alive(tmp_path):
+    inj = _ext.FaultInjector()
+    a = inj.wrap(_ext.open_storage(str(tmp_path / "a")))  # the bases: only the wrappers hold them
+    b = inj.wrap(_ext.open_storage(str(tmp_path / "b")))
+    inj.add_rule("exists", errno=errno.EIO, count=0)
+    for s in (a, b):
+        with pytest.raises(errors.StorageError):
+            s.exists("x")
+    assert inj.calls("exists") == 2
+    del inj  # the wrappers keep the injector too
     with pytest.raises(errors.StorageError):
-        _ext.open_storage(f"fault://{name}").exists("x")
-    new.close()
+        a.exists("x")
+    twice = _ext.FaultInjector().wrap(b)  # a wrapper of a wrapper: both injectors apply
+    with pytest.raises(errors.StorageError):
+        twice.exists("x")
 
 
 def test_invalid_keys_are_rejected(injector):
-    inj, base = injector
-    s = _ext.open_storage(inj.uri)
+    inj, base, s = injector
     for key in ["../escape", "/abs", "a//b", "a\\b"]:
         with pytest.raises(ValueError):
             s.write_file(key, b"x")
-    with pytest.raises(ValueError):
-        _ext.open_storage(inj.uri + "/../escape")
     assert not (base.parent / "escape").exists()
 
 
 def test_crash_rule_kills_the_process(tmp_path):
     child = textwrap.dedent(f"""
         from cairn import _ext
-        inj = _ext.FaultInjector("crash", {str(tmp_path)!r})
+        inj = _ext.FaultInjector()
         inj.add_rule("rename", crash=True)
-        s = _ext.open_storage("fault://crash")
+        s = inj.wrap(_ext.open_storage({str(tmp_path)!r}))
         s.write_file("a.tmp", b"data")
         s.rename("a.tmp", "a")
         print("survived")

@@ -121,7 +121,7 @@ root = {str(tmp_path)!r}; ck = root + "/step_2"
 out = {{}}
 out["verify"] = outcome(lambda: cairn.verify(ck))
 out["reader"] = outcome(lambda: cairn.Reader(ck))
-out["ext_reader"] = outcome(lambda: _ext.CheckpointReader(ck))
+out["ext_reader"] = outcome(lambda: _ext.CheckpointReader(_ext.open_storage(ck, create=False)))
 out["list"] = [(e["name"], e["committed"], e["status"]) for e in cairn.list_checkpoints(root)]
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")

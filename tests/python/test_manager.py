@@ -81,14 +81,14 @@ def test_crash_after_staging_restores_from_memory_tier(tmp_path):
 # ---- injected storage faults -------------------------------------------------------
 
 def _enospc(rank, world, base, fail_op):
-    inj = _ext.FaultInjector(f"mgr{rank}", base)
+    inj = _ext.FaultInjector()
     model, opt, state = make_state()
-    mgr = cairn.CheckpointManager(inj.uri, memory=False, keep=3)
+    mgr = cairn.CheckpointManager(inj.wrap(_ext.open_storage(base)), memory=False, keep=3)
     train_step(model, opt, 1)
     mgr.save(1, state)
     mgr.wait()
     good = flat(model)
-    # Every `fail_op` below fault://mgr<rank>/ fails from now on (count=0).
+    # Every `fail_op` of this rank's durable tier fails from now on (count=0).
     inj.add_rule(fail_op, errno=errno.ENOSPC if fail_op == "write" else errno.EIO, count=0)
     train_step(model, opt, 2)
     mgr.save(2, state)  # staging succeeds; persistence fails in the background
@@ -102,7 +102,6 @@ def _enospc(rank, world, base, fail_op):
     mgr.save(3, state)
     mgr.wait()
     mgr.close()
-    inj.close()
     return err, good.sum().item()
 
 

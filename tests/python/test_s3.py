@@ -133,8 +133,9 @@ def test_second_writer_of_a_step_cannot_commit_over_the_first(s3):
     # The first commit wins; the second writer's manifest PUT (If-None-Match)
     # is refused, whatever it wrote before.
     ext = cairn._ext
+    step = ext.open_storage(root + "/step_1", create=False)
     with pytest.raises(cairn.Error) as e:
-        ext.commit_manifest(root + "/step_1", ext.CheckpointReader(root + "/step_1").manifest())
+        ext.commit_manifest(step, ext.CheckpointReader(step).manifest())
     assert "already exists" in str(e.value)
     _load_equals(root + "/step_1", _state(1, mib=1))
 

@@ -53,7 +53,7 @@ def _restore(rank, world, env, root, local, expected_dir):
 
 
 def _committed_steps(uri):
-    return sorted(e["step"] for e in _ext.list_checkpoints(uri) if e["committed"])
+    return sorted(e["step"] for e in cairn.list_checkpoints(uri) if e["committed"])
 
 
 def test_manager_saves_to_s3_with_per_tier_retention_and_restores_from_it(s3, tmp_path):
@@ -77,7 +77,7 @@ def test_manager_restore_falls_back_when_the_newest_s3_checkpoint_is_corrupt(s3,
     newest = cairn.latest_valid(root)
     assert newest.endswith("step_0000000002")
     # Flip a byte inside the first tensor stored in rank 1's data file.
-    manifest = _ext.CheckpointReader(newest).manifest()
+    manifest = _ext.CheckpointReader(_ext.open_storage(newest, create=False)).manifest()
     file_index = [f.key for f in manifest.files].index("data/r1.bin")
     loc = next(c.location for t in manifest.tensors for c in t.chunks
                if c.location.file == file_index and c.location.length > 0)

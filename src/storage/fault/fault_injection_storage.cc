@@ -1,4 +1,4 @@
-// FaultInjectionStorage and the fault:// registry (see
+// FaultInjectionStorage and its FaultInjector (see
 // include/cairn/fault_injection.h for what each rule does).
 //
 // Every call goes: count it, sleep its latency, ask the rules; if a rule
@@ -11,10 +11,8 @@
 #include <algorithm>
 #include <iterator>
 #include <thread>
-#include <unordered_map>
 
 #include "cairn/fault_injection.h"
-#include "storage/uri.h"
 
 namespace cairn {
 namespace {
@@ -223,6 +221,12 @@ FaultInjectionStorage::FaultInjectionStorage(std::unique_ptr<Storage> base,
       base_(target()),
       injector_(injector ? std::move(injector) : std::make_shared<FaultInjector>()) {}
 
+FaultInjectionStorage::FaultInjectionStorage(std::shared_ptr<Storage> base,
+                                             std::shared_ptr<FaultInjector> injector)
+    : StorageWrapper(std::move(base)),
+      base_(target()),
+      injector_(injector ? std::move(injector) : std::make_shared<FaultInjector>()) {}
+
 FaultInjectionStorage::FaultInjectionStorage(Storage* base, std::shared_ptr<FaultInjector> injector)
     : StorageWrapper(base),
       base_(base),
@@ -304,76 +308,6 @@ Result<bool> FaultInjectionStorage::Exists(std::string_view key) {
 
 Result<uint64_t> FaultInjectionStorage::FileSize(std::string_view key) {
   return Gate(*injector_, FaultOp::kFileSize, key, false, [&] { return base_->FileSize(key); });
-}
-
-// ---- registry ----------------------------------------------------------------
-
-namespace {
-
-struct RegistryEntry {
-  std::string base_uri;
-  std::shared_ptr<FaultInjector> injector;
-};
-
-std::mutex& RegistryMu() {
-  static std::mutex mu;
-  return mu;
-}
-std::unordered_map<std::string, RegistryEntry>& Registry() {
-  static auto* r = new std::unordered_map<std::string, RegistryEntry>();
-  return *r;
-}
-
-}  // namespace
-
-Status RegisterFaultInjector(const std::string& name, const std::string& base_uri,
-                             std::shared_ptr<FaultInjector> injector) {
-  if (name.empty() || name.find('/') != std::string::npos || name.find('\0') != std::string::npos) {
-    return InvalidArgumentError("fault injector name '" + name +
-                                "' must be non-empty and contain no '/'");
-  }
-  if (base_uri.empty()) return InvalidArgumentError("fault injector '" + name + "': empty base");
-  if (base_uri.rfind("mem://", 0) == 0 || base_uri.rfind("fault://", 0) == 0) {
-    return InvalidArgumentError("fault injector '" + name + "': base '" + base_uri +
-                                "' must be a path, file:// or shm:// URI");
-  }
-  if (!injector) return InvalidArgumentError("fault injector '" + name + "': null injector");
-  std::lock_guard<std::mutex> l(RegistryMu());
-  Registry()[name] = RegistryEntry{base_uri, std::move(injector)};
-  return Status::OK();
-}
-
-bool UnregisterFaultInjector(const std::string& name, const FaultInjector* only_if) {
-  std::lock_guard<std::mutex> l(RegistryMu());
-  auto it = Registry().find(name);
-  if (it == Registry().end()) return false;
-  if (only_if && it->second.injector.get() != only_if) return false;
-  Registry().erase(it);
-  return true;
-}
-
-Result<std::unique_ptr<Storage>> OpenFaultStorage(std::string_view uri, bool create) {
-  CAIRN_ASSIGN_OR_RETURN(internal::UriParts parts, internal::SplitUri(uri, "fault://"));
-  const std::string name(parts.authority);
-  const std::string_view sub = parts.path;
-  if (!sub.empty()) CAIRN_RETURN_IF_ERROR(ValidateKey(sub).WithContext(std::string(uri)));
-  RegistryEntry entry;
-  {
-    std::lock_guard<std::mutex> l(RegistryMu());
-    auto it = Registry().find(name);
-    if (it == Registry().end()) {
-      return NotFoundError(std::string(uri) + ": no fault injector named '" + name +
-                           "' is registered in this process");
-    }
-    entry = it->second;
-  }
-  std::string base_uri = entry.base_uri;
-  if (!sub.empty()) {
-    while (base_uri.size() > 1 && base_uri.back() == '/') base_uri.pop_back();
-    base_uri += "/" + std::string(sub);
-  }
-  CAIRN_ASSIGN_OR_RETURN(auto base, OpenStorage(base_uri, create));
-  return std::unique_ptr<Storage>(new FaultInjectionStorage(std::move(base), entry.injector));
 }
 
 }  // namespace cairn

@@ -529,8 +529,12 @@ class PosixStorage final : public Storage {
   // unless `readable` (needed for readdir and fsync).
   Result<UniqueFd> OpenDir(std::string_view dir, bool create, bool readable) const {
     const int last_flags = (readable ? O_RDONLY : O_PATH) | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC;
-    UniqueFd cur;
+    UniqueFd cur, root;
     int cur_fd = root_fd_.get();
+    if (opts_.follow_root) {
+      CAIRN_ASSIGN_OR_RETURN(root, OpenRoot(create));
+      cur_fd = root.get();
+    }
     size_t pos = 0;
     std::string sofar;
     while (true) {
@@ -554,6 +558,21 @@ class PosixStorage final : public Storage {
       if (last) return cur;
       pos = slash + 1;
     }
+  }
+
+  // follow_root: a descriptor of the root as its path names it now, made
+  // first (with its parents) when `create`.
+  Result<UniqueFd> OpenRoot(bool create) const {
+    UniqueFd fd(::open(root_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (fd.get() < 0 && errno == ENOENT && create) {
+      CAIRN_RETURN_IF_ERROR(MkdirAll(root_));
+      fd = UniqueFd(::open(root_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    }
+    if (fd.get() < 0) {
+      if (errno == ENOTDIR) return NotFoundError(root_ + ": not a directory");
+      return ErrnoToStatus(errno, "open directory " + root_);
+    }
+    return fd;
   }
 
   // Removes every entry of the directory `fd` (owned), never following links.
@@ -637,6 +656,9 @@ Result<std::unique_ptr<Storage>> NewPosixStorage(const std::string& root_dir, bo
   }
   std::string root = NormalizeRoot(root_dir);
   if (create) CAIRN_RETURN_IF_ERROR(MkdirAll(root));
+  if (opts.follow_root) {
+    return std::unique_ptr<Storage>(new PosixStorage(root, UniqueFd(), opts));
+  }
   UniqueFd fd(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0) {
     if (errno == ENOTDIR) return NotFoundError(root + ": not a directory");
