@@ -78,6 +78,7 @@ from cairn._dcp_metadata import (
     manifest_extra,
 )
 from cairn._stock_reader import StockReader, check_value_is_safe, is_stock_checkpoint
+from cairn.discovery import open_path
 
 
 __all__ = ["Writer", "Reader", "unwrap"]
@@ -130,13 +131,7 @@ def _open_storage(path: "str | os.PathLike | _ext.Storage", create: bool) -> _ex
     Storage given instead, e.g. a fault-injecting wrapper, is used as it is).
     Without `create`, a missing directory is cairn.NotFoundError "no such
     checkpoint"."""
-    if isinstance(path, _ext.Storage):
-        return path
-    uri = _uri(path)
-    try:
-        return _ext.open_storage(uri, create=create)
-    except NotFoundError as e:
-        raise NotFoundError(f"no such checkpoint: {uri}") from e
+    return open_path(path if isinstance(path, _ext.Storage) else _uri(path), "checkpoint", create)
 
 
 def _staging_dir(path: str | os.PathLike) -> str:

@@ -18,14 +18,16 @@ def _root_uri(path: str | os.PathLike) -> str:
     return s
 
 
-def _open(path: "str | os.PathLike | _ext.Storage", what: str = "") -> _ext.Storage:
-    """The storage at an existing `path` (an open storage as it is), opened once
-    for the call; NotFoundError "no such <what>" when it is missing."""
+def open_path(path: "str | os.PathLike | _ext.Storage", what: str = "",
+              create: bool = False) -> _ext.Storage:
+    """The storage at `path`, opened once by the engine's registry (an open storage
+    as it is). Without `create`, a missing `path` is NotFoundError, "no such
+    <what>: <path>" when `what` is given."""
     if isinstance(path, _ext.Storage):
         return path
     uri = _root_uri(path)
     try:
-        return _ext.open_storage(uri, create=False)
+        return _ext.open_storage(uri, create=create)
     except NotFoundError as e:
         if not what:
             raise
@@ -44,7 +46,7 @@ def latest_valid(root: str | os.PathLike) -> str | None:
     creation time. A ``root`` that does not exist (yet) has none: None.
     """
     try:
-        storage = _open(root)
+        storage = open_path(root)
     except NotFoundError:
         return None
     uri, skipped = _ext.latest_valid_uri(storage)
@@ -61,7 +63,7 @@ def warn_skipped(skipped: list[tuple[str, str]], stacklevel: int = 3) -> None:
 def list_checkpoints(root: str | os.PathLike) -> list[dict]:
     """Every directory below ``root``, oldest first: name, step, committed,
     status, bytes, created_unix_ms, world_size."""
-    return _ext.list_checkpoints(_open(root))
+    return _ext.list_checkpoints(open_path(root))
 
 
 def verify(path: str | os.PathLike) -> None:
@@ -72,7 +74,7 @@ def verify(path: str | os.PathLike) -> None:
     missing file, damaged or missing manifest) and :class:`cairn.NotFoundError`
     when ``path`` does not exist.
     """
-    _ext.verify(_open(path, "checkpoint"), _pools.io_pool())
+    _ext.verify(open_path(path, "checkpoint"), _pools.io_pool())
 
 
 def copy_checkpoint(
@@ -96,7 +98,7 @@ def copy_checkpoint(
     """
     pool = _ext.ThreadPool(thread_count) if thread_count else _pools.io_pool()
     _ext.copy_checkpoint(
-        _open(src, "checkpoint"),
+        open_path(src, "checkpoint"),
         _root_uri(dst),
         pool,
         direct_io=direct_io,

@@ -169,51 +169,60 @@ TEST(TierSetTest, CandidatesAreFastestFirstAndDamagedOnesAreSkipped) {
   EXPECT_EQ(ReadRunId(scratch.path() + "/nowhere"), "");
 }
 
-TEST(TierSetTest, TiersNotCreatedYetHoldNothing) {
-  ScratchDir scratch("tiers");
-  TierSetOptions o;
-  o.root = scratch.path() + "/not/yet";
-  o.memory = false;
-  auto tiers = TierSet::Open(o);
-  ASSERT_TRUE(tiers.ok());
+// The candidates of `t` (what was skipped and opened dropped).
+Result<std::vector<TierCheckpoint>> CandidatesOf(TierSet& t, bool with_memory) {
   std::vector<MemoryCheckpoint> memory;
   std::vector<SkippedCheckpoint> skipped;
-  auto found = (*tiers)->Candidates(true, &memory, &skipped);
+  return t.Candidates(with_memory, &memory, &skipped);
+}
+
+// A tier set of only a durable tier, at `root`.
+std::unique_ptr<TierSet> DurableOnly(const std::string& root) {
+  TierSetOptions o;
+  o.root = root;
+  o.memory = false;
+  auto tiers = TierSet::Open(o);
+  EXPECT_TRUE(tiers.ok()) << tiers.status().ToString();
+  return tiers.ok() ? std::move(*tiers) : nullptr;
+}
+
+TEST(TierSetTest, TiersNotCreatedYetHoldNothing) {
+  ScratchDir scratch("tiers");
+  const std::string root = scratch.path() + "/not/yet";
+  std::unique_ptr<TierSet> tiers = DurableOnly(root);
+  ASSERT_NE(tiers, nullptr);
+  auto found = CandidatesOf(*tiers, true);
   ASSERT_TRUE(found.ok()) << found.status().ToString();
   EXPECT_TRUE(found->empty());
-  EXPECT_FALSE(std::filesystem::exists(o.root));  // nothing created
+  EXPECT_FALSE(std::filesystem::exists(root));  // nothing created
 }
 
 TEST(TierSetTest, KeepsOneStorageThatFollowsARootMadeAgain) {
   ScratchDir scratch("tiers");
-  TierSetOptions o;
-  o.root = scratch.path() + "/run";
-  o.memory = false;
-  auto tiers = TierSet::Open(o);
-  ASSERT_TRUE(tiers.ok());
-  TierSet& t = **tiers;
+  const std::string root = scratch.path() + "/run";
+  std::unique_ptr<TierSet> tiers = DurableOnly(root);
+  ASSERT_NE(tiers, nullptr);
+  TierSet& t = *tiers;
   auto durable = t.TierStorage(TierKind::kDurable);
   ASSERT_TRUE(durable.ok());
   EXPECT_EQ(durable->get(), t.TierStorage(TierKind::kDurable)->get());  // opened once
   ASSERT_TRUE(t.CreateTiers().ok());
   SaveAt(t.root(), StepDirName(1), 1);
-  std::filesystem::remove_all(o.root);  // removed under the live set, then made again
-  std::filesystem::create_directories(o.root);
+  std::filesystem::remove_all(root);  // removed under the live set, then made again
+  std::filesystem::create_directories(root);
   SaveAt(t.root(), StepDirName(2), 2);
-  std::vector<MemoryCheckpoint> memory;
-  std::vector<SkippedCheckpoint> skipped;
-  auto found = t.Candidates(false, &memory, &skipped);
+  auto found = CandidatesOf(t, false);
   ASSERT_TRUE(found.ok()) << found.status().ToString();
   ASSERT_EQ(found->size(), 1u);
   EXPECT_EQ((*found)[0].step, 2u);
   EXPECT_EQ((*found)[0].name, StepDirName(2));
   // Removed for good: nothing to list, and the next write makes it again.
-  std::filesystem::remove_all(o.root);
-  found = t.Candidates(false, &memory, &skipped);
+  std::filesystem::remove_all(root);
+  found = CandidatesOf(t, false);
   ASSERT_TRUE(found.ok());
   EXPECT_TRUE(found->empty());
   EXPECT_TRUE((*durable)->PutAtomic("x", "y").ok());
-  EXPECT_TRUE(std::filesystem::exists(o.root + "/x"));
+  EXPECT_TRUE(std::filesystem::exists(root + "/x"));
   EXPECT_EQ(t.TierStorage(TierKind::kLocal).status().code(), StatusCode::kInvalidArgument);
 }
 
@@ -232,9 +241,7 @@ TEST(TierSetTest, UsesTheStorageItIsGiven) {
   EXPECT_EQ(t.shm_name(), MemoryTierName(scratch.path() + "/run"));
   EXPECT_EQ(t.TierStorage(TierKind::kDurable)->get(), o.root_storage.get());
   inj->AddRule({.op = FaultOp::kList, .count = 0, .error = EIO});
-  std::vector<MemoryCheckpoint> memory;
-  std::vector<SkippedCheckpoint> skipped;
-  EXPECT_EQ(t.Candidates(false, &memory, &skipped).status().code(), StatusCode::kIOError);
+  EXPECT_EQ(CandidatesOf(t, false).status().code(), StatusCode::kIOError);
   EXPECT_GE(inj->Calls(FaultOp::kList), 1u);
 }
 
