@@ -8,7 +8,10 @@ include/cairn/thread_pool.h, bound as ``_ext.default_thread_count``): "io" pools
 ``io_pool()`` is the one process-wide C++ I/O pool, created on first use and
 shared by every Writer, Reader, verify, copy and manager that is not given a
 ``thread_count`` of its own (those own one pool each, for their lifetime; no
-call creates a pool). ``upload_pool()`` is a second process-wide I/O pool, for
+call creates a pool). ``copy_pool()`` is the process-wide pool for reads from
+node memory (the manager's memory tier and peers' replicas: memcpy and hashing,
+so one thread per core; the I/O pool's 16-32 threads would only contend for the
+cores and evict each other's pieces before they are hashed). ``upload_pool()`` is a second process-wide I/O pool, for
 staged writes only: it copies a staged file's finished ranges to the slow
 target while the I/O pool is still writing the rest (on one pool the copies
 would queue behind the whole local write). ``python_executor()`` is the one process-wide Python
@@ -28,7 +31,7 @@ import threading
 
 from cairn import _ext
 
-__all__ = ["thread_count", "io_pool", "upload_pool", "python_executor"]
+__all__ = ["thread_count", "io_pool", "copy_pool", "upload_pool", "python_executor"]
 
 
 def thread_count(kind: str = "io") -> int:
@@ -51,6 +54,11 @@ def _get(name: str, make):
 def io_pool() -> _ext.ThreadPool:
     """The process-wide I/O pool (``thread_count("io")`` threads)."""
     return _get("io", lambda: _ext.ThreadPool(thread_count("io")))
+
+
+def copy_pool() -> _ext.ThreadPool:
+    """The process-wide pool of reads from node memory (``thread_count("copy")``)."""
+    return _get("copy", lambda: _ext.ThreadPool(thread_count("copy")))
 
 
 def upload_pool() -> _ext.ThreadPool:
