@@ -58,7 +58,6 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <chrono>
@@ -66,6 +65,7 @@
 #include <thread>
 
 #include "cairn/cache.h"
+#include "io/xxh3.h"
 #include "storage/posix/posix_storage.h"
 
 namespace cairn {

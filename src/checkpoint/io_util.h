@@ -1,8 +1,6 @@
 // Small helpers shared by the checkpoint engine's .cc files (internal).
 #pragma once
 
-#include <xxhash.h>
-
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -12,6 +10,7 @@
 #include "cairn/manifest.h"
 #include "cairn/status.h"
 #include "cairn/storage.h"
+#include "io/xxh3.h"
 
 namespace cairn::internal {
 

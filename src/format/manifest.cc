@@ -7,8 +7,6 @@
 // a reader touch memory or files outside what it owns.
 #include "cairn/manifest.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <bit>
 #include <cstring>
@@ -18,6 +16,7 @@
 #include <unordered_set>
 
 #include "cairn/storage.h"
+#include "io/xxh3.h"
 
 namespace cairn {
 namespace format {

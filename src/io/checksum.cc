@@ -1,8 +1,7 @@
 #include "cairn/checksum.h"
 
-#include <xxhash.h>
-
 #include "io/parallel.h"
+#include "io/xxh3.h"
 
 namespace cairn {
 
