@@ -292,9 +292,10 @@ class Writer(StorageWriter):
     ) -> None:
         super().__init__()
         self.path = None if path is None else _uri(path)
-        # The target, opened once (on first use) and passed to every engine call;
-        # a Storage given as `path` is used as it is.
-        self._storage: _ext.Storage | None = path if isinstance(path, _ext.Storage) else None
+        # The target, opened once per save (on first use) and passed to every engine
+        # call; a Storage given as `path` is used as it is, for every save.
+        self._given: _ext.Storage | None = path if isinstance(path, _ext.Storage) else None
+        self._storage = self._given
         self.staging_dir = None if staging_dir is None else _staging_dir(staging_dir)
         self.user_metadata = dict(user_metadata or {})
         json.dumps(self.user_metadata)  # fail early if it cannot be stored
@@ -341,16 +342,13 @@ class Writer(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            uri = _uri(checkpoint_id)
-            if isinstance(checkpoint_id, _ext.Storage):
-                self._storage = checkpoint_id
-            elif uri != self.path:
-                self._storage = None
-            self.path = uri
+            self.path = _uri(checkpoint_id)
+            self._given = checkpoint_id if isinstance(checkpoint_id, _ext.Storage) else None
+            self._storage = self._given
         self.save_id = uuid.uuid4().hex
 
     def _target(self) -> _ext.Storage:
-        """The checkpoint's storage, opened (and created) once."""
+        """The checkpoint's storage, opened (and created) once per save."""
         if self._storage is None:
             self._storage = _open_storage(self.path, create=True)
         return self._storage
@@ -359,7 +357,7 @@ class Writer(StorageWriter):
         # A process-based async save pickles the writer: its open storage and
         # pool stay behind (the copy reopens them); a Storage object given as
         # the path cannot cross a process.
-        if self._storage is not None and self._storage.uri != self.path:
+        if self._given is not None:
             raise InvalidArgumentError("a cairn.Writer over an open Storage cannot be pickled")
         state = dict(self.__dict__)
         state["_storage"] = None
@@ -369,6 +367,9 @@ class Writer(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         _uri(self.path)
+        # A new save opens its target afresh: a directory removed and made again
+        # between two saves of one Writer is followed, as its path is.
+        self._storage = self._given
         rank = kwargs.get("rank")
         if rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
             rank = torch.distributed.get_rank()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import shutil
 import struct
 
 import pytest
@@ -284,3 +286,21 @@ def test_unstorable_dtype_is_refused_before_writing(tmp_path):
     err = rank_error(info.value)
     assert isinstance(err, ValueError) and "qint8" in str(err), err
     assert cairn.latest_valid(tmp_path) is None
+
+
+def test_a_writer_opens_its_target_once_per_save_and_follows_its_path(tmp_path):
+    # One Writer, several saves: each opens the target afresh, so a directory
+    # removed between two saves is made again (a kept one would be gone).
+    w = cairn.Writer(tmp_path / "ck")
+    for value in (1.0, 2.0):
+        dcp.save({"w": torch.full((8,), value)}, storage_writer=w)
+        shutil.rmtree(tmp_path / "ck")
+    dcp.save({"w": torch.full((8,), 3.0)}, storage_writer=w)
+    out = {"w": torch.zeros(8)}
+    dcp.load(out, storage_reader=cairn.Reader(tmp_path / "ck"))
+    assert torch.equal(out["w"], torch.full((8,), 3.0))
+    # A Writer over a path pickles (a process-based async save); one over an open
+    # Storage cannot cross a process and says so.
+    assert pickle.loads(pickle.dumps(w)).path == w.path
+    with pytest.raises(cairn.InvalidArgumentError, match="cannot be pickled"):
+        pickle.dumps(cairn.Writer(cairn._ext.open_storage(str(tmp_path / "other"))))
