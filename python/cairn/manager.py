@@ -423,8 +423,7 @@ class CheckpointManager:
         self.direct_io = direct_io
         # Writes to the slower tiers: this manager's own pool when thread_count is
         # given, else the process-wide one.
-        self._own_io_pool = _ext.ThreadPool(thread_count) if thread_count else None
-        self._io_pool = self._own_io_pool or _pools.io_pool()
+        self._io_pool = _ext.ThreadPool(thread_count) if thread_count else _pools.io_pool()
         self._closed = False
         self._inflight: _Save | None = None
         self._last: _Save | None = None
@@ -923,7 +922,7 @@ class CheckpointManager:
                             reader = Reader._in(self._tiers.storage(choice[0]), choice[2], uri)
                         else:  # the replication view the engine just assembled
                             reader = Reader(uri)
-                        if choice[0] in ("memory", "peer") and self._own_io_pool is None:
+                        if choice[0] in ("memory", "peer"):
                             # Node memory: copying and hashing, a thread per core.
                             reader._pool = _pools.copy_pool()
                     except BaseException as e:  # noqa: BLE001 - agreed on below

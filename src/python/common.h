@@ -38,8 +38,8 @@ struct PyStorage {
 class PyCheckpointReader {
  public:
   // Opens the committed checkpoint in `dir` of `storage`: manifest
-  // validated, data file sizes checked (raises on failure). `name` is what
-  // messages call it.
+  // validated, data file sizes checked (raises on failure). Messages name it
+  // by the storage's URI and `dir`.
   PyCheckpointReader(const PyStorage& storage, const std::string& dir);
   PyCheckpointReader(std::string uri, std::shared_ptr<Storage> storage,
                      std::unique_ptr<CheckpointReader> reader);

@@ -187,18 +187,19 @@ void RegisterTiers(nb::module_& m) {
           [](TierSet* self, nb::handle root, nb::handle local, bool memory, uint32_t num_slots,
              std::optional<uint64_t> keep, uint64_t keep_local) {
             TierSetOptions o;
-            // A tier is a path or URI (opened here, once) or a Storage the
+            // A tier is a path or URI (opened there, once) or a Storage the
             // caller opened (a fault-injecting wrapper, say).
-            if (nb::isinstance<PyStorage>(root)) {
-              o.root_storage = nb::cast<PyStorage&>(root).s;
-            } else {
-              o.root = nb::cast<std::string>(root);
-            }
-            if (nb::isinstance<PyStorage>(local)) {
-              o.local_storage = nb::cast<PyStorage&>(local).s;
-            } else if (!local.is_none()) {
-              o.local = nb::cast<std::string>(local);
-              if (o.local.empty()) {  // given, but empty (None is no local tier)
+            auto tier = [](nb::handle arg, std::string* path, std::shared_ptr<Storage>* storage) {
+              if (nb::isinstance<PyStorage>(arg)) {
+                *storage = nb::cast<PyStorage&>(arg).s;
+              } else {
+                *path = nb::cast<std::string>(arg);
+              }
+            };
+            tier(root, &o.root, &o.root_storage);
+            if (!local.is_none()) {
+              tier(local, &o.local, &o.local_storage);
+              if (!o.local_storage && o.local.empty()) {  // given, but empty (None: none)
                 RaiseStatus(InvalidArgumentError("invalid local directory ''"));
               }
             }
