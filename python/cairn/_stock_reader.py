@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from cairn import _ext, _pools
+from cairn.discovery import open_path
 from cairn.errors import CorruptionError, Error, NotFoundError
 
 __all__ = ["is_stock_checkpoint", "StockReader", "read_stock_metadata", "check_value_is_safe"]
@@ -66,26 +67,24 @@ __all__ = ["is_stock_checkpoint", "StockReader", "read_stock_metadata", "check_v
 METADATA_FILE = ".metadata"
 
 
+def _path_str(path: str | os.PathLike) -> str:
+    p = os.fspath(path)
+    return os.fsdecode(p) if isinstance(p, bytes) else p
+
+
 def _local_path(path: "str | os.PathLike | _ext.Storage") -> str:
     """The local directory of a checkpoint path (the engine resolves file://), or of
     an open storage."""
     if isinstance(path, _ext.Storage):
         return path.local_path()
-    p = os.fspath(path)
-    if isinstance(p, bytes):
-        p = os.fsdecode(p)
+    p = _path_str(path)
     return _ext.local_dir_of_uri(p) or p
 
 
 def _open(path: "str | os.PathLike | _ext.Storage") -> _ext.Storage:
     """The storage of an existing checkpoint directory (NotFoundError when it is
     missing); an open storage as it is."""
-    if isinstance(path, _ext.Storage):
-        return path
-    p = os.fspath(path)
-    if isinstance(p, bytes):
-        p = os.fsdecode(p)
-    return _ext.open_storage(p, create=False)
+    return open_path(path if isinstance(path, _ext.Storage) else _path_str(path))
 
 
 def is_stock_checkpoint(path: "str | os.PathLike | _ext.Storage") -> bool:

@@ -28,7 +28,8 @@ namespace cairn::python {
 // reader or a tier set keeps what it uses alive.
 struct PyStorage {
   std::shared_ptr<Storage> s;
-  // The URI it was opened from; a wrapper's or tier's is its Describe().
+  // The URI it was opened from (a wrapper: its base's; a tier: its
+  // Describe()), for messages.
   std::string uri;
 };
 

@@ -17,6 +17,7 @@
 
 #include "cairn/checkpoint.h"
 #include "cairn/read_plan.h"
+#include "cairn/tiers.h"
 #include "common.h"
 #include "without_gil.h"
 
@@ -48,10 +49,7 @@ nb::object NewBytesFor(ReadRequest* r) {
 }  // namespace
 
 std::string StorageUri(const PyStorage& storage, const std::string& dir) {
-  std::string base = storage.uri.empty() ? storage.s->Describe() : storage.uri;
-  if (dir.empty()) return base;
-  while (!base.empty() && base.back() == '/') base.pop_back();
-  return base + "/" + dir;
+  return dir.empty() ? storage.uri : JoinUri(storage.uri, dir);
 }
 
 PyCheckpointReader::PyCheckpointReader(const PyStorage& storage, const std::string& dir)
@@ -408,13 +406,6 @@ void RegisterCheckpoint(nb::module_& m) {
       "Checks every byte of the checkpoint in `dir` of `storage`.");
 
   m.def(
-      "latest_valid",
-      [](PyStorage& storage) {
-        return WithoutGil([&] { return LatestValid(storage.s.get(), ""); });
-      },
-      nb::arg("storage"), "Name of the newest committed checkpoint in `storage`, or None.");
-
-  m.def(
       "list_checkpoints",
       [](PyStorage& storage) {
         std::vector<CheckpointInfo> listed =
@@ -434,36 +425,6 @@ void RegisterCheckpoint(nb::module_& m) {
         return out;
       },
       nb::arg("storage"), "Every checkpoint directory in `storage`, oldest first, as dicts.");
-
-  m.def(
-      "prune_checkpoints",
-      [](PyStorage& storage, uint64_t keep, bool remove_newer_partials, bool dry_run,
-         std::function<void(const std::string&)> after_uncommit) {
-        std::vector<std::string> removed;
-        Status s;
-        {
-          nb::gil_scoped_release release;
-          {
-            PruneOptions opts;
-            opts.keep = keep;
-            opts.remove_newer_partials = remove_newer_partials;
-            opts.dry_run = dry_run;
-            if (after_uncommit) {
-              opts.after_uncommit = [&](const std::string& name) {
-                nb::gil_scoped_acquire acquire;
-                after_uncommit(name);
-              };
-            }
-            s = Prune(storage.s.get(), "", opts, &removed);
-          }
-        }
-        ThrowIfError(s);
-        return removed;
-      },
-      nb::arg("storage"), nb::arg("keep"), nb::arg("remove_newer_partials") = false,
-      nb::arg("dry_run") = false, nb::arg("after_uncommit") = nb::none(),
-      "Keeps the newest `keep` committed step_<N> checkpoints in `storage`; returns the\n"
-      "names removed (manifest first, then data; partial leftovers too).");
 
   m.def(
       "copy_checkpoint",

@@ -22,6 +22,7 @@
 #include "storage/local_path.h"
 #include "storage/posix/posix_storage.h"
 #include "storage/s3/sigv4.h"
+#include "storage/shm/shm_storage.h"
 
 namespace cairn {
 
@@ -329,12 +330,9 @@ Result<std::unique_ptr<TierSet>> TierSet::Open(TierSetOptions opts) {
   if (!t->local_storage_ && !t->local_.empty()) {
     CAIRN_ASSIGN_OR_RETURN(t->local_storage_, OpenTierStorage(t->local_));
   }
-  internal::PosixStorageOptions shm;
-  shm.allow_direct_io = false;
-  shm.describe = "shm://" + t->shm_name_;
-  shm.follow_root = true;
   CAIRN_ASSIGN_OR_RETURN(std::unique_ptr<Storage> memory,
-                         internal::NewPosixStorage(t->shm_dir_, /*create=*/false, shm));
+                         internal::NewShmStorage(t->shm_name_, /*create=*/false,
+                                                 /*follow_root=*/true));
   t->memory_ = std::move(memory);
   return t;
 }
@@ -373,7 +371,7 @@ std::string TierSet::SlotUri(uint32_t slot) const {
 }
 
 std::string TierSet::SlotDataPath(uint32_t slot, uint64_t rank) const {
-  return shm_dir_ + "/slot" + std::to_string(slot) + "/" + format::DataFileKey(rank);
+  return shm_dir_ + "/" + SlotDirName(slot) + "/" + format::DataFileKey(rank);
 }
 
 Result<std::shared_ptr<Storage>> TierSet::TierStorage(TierKind tier) const {

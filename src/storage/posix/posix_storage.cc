@@ -319,6 +319,17 @@ class PosixReadableFile final : public ReadableFile {
   uint64_t size_;
 };
 
+// An O_PATH descriptor of the root directory `root` (symlinks in it followed:
+// the user chose it); kNotFound when it is missing or not a directory.
+Result<UniqueFd> OpenRootDir(const std::string& root) {
+  UniqueFd fd(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    if (errno == ENOTDIR) return NotFoundError(root + ": not a directory");
+    return ErrnoToStatus(errno, "open directory " + root);
+  }
+  return fd;
+}
+
 // Splits "a/b/c" into ("a/b", "c").
 std::pair<std::string_view, std::string_view> SplitKey(std::string_view key) {
   size_t slash = key.rfind('/');
@@ -563,16 +574,10 @@ class PosixStorage final : public Storage {
   // follow_root: a descriptor of the root as its path names it now, made
   // first (with its parents) when `create`.
   Result<UniqueFd> OpenRoot(bool create) const {
-    UniqueFd fd(::open(root_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-    if (fd.get() < 0 && errno == ENOENT && create) {
-      CAIRN_RETURN_IF_ERROR(MkdirAll(root_));
-      fd = UniqueFd(::open(root_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-    }
-    if (fd.get() < 0) {
-      if (errno == ENOTDIR) return NotFoundError(root_ + ": not a directory");
-      return ErrnoToStatus(errno, "open directory " + root_);
-    }
-    return fd;
+    Result<UniqueFd> fd = OpenRootDir(root_);
+    if (fd.ok() || !create || fd.status().sys_errno() != ENOENT) return fd;
+    CAIRN_RETURN_IF_ERROR(MkdirAll(root_));
+    return OpenRootDir(root_);
   }
 
   // Removes every entry of the directory `fd` (owned), never following links.
@@ -659,11 +664,7 @@ Result<std::unique_ptr<Storage>> NewPosixStorage(const std::string& root_dir, bo
   if (opts.follow_root) {
     return std::unique_ptr<Storage>(new PosixStorage(root, UniqueFd(), opts));
   }
-  UniqueFd fd(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  if (fd.get() < 0) {
-    if (errno == ENOTDIR) return NotFoundError(root + ": not a directory");
-    return ErrnoToStatus(errno, "open directory " + root);
-  }
+  CAIRN_ASSIGN_OR_RETURN(UniqueFd fd, OpenRootDir(root));
   return std::unique_ptr<Storage>(new PosixStorage(root, std::move(fd), opts));
 }
 

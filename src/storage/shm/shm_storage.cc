@@ -6,6 +6,8 @@
 // rejects it; asking would only cost an extra open per file) and names are
 // confined to one directory per NAME. Memory mapping of staging buffers is in
 // src/staging/mapped_file.cc (used by the StagingPool).
+#include "storage/shm/shm_storage.h"
+
 #include <string>
 
 #include "cairn/storage.h"
@@ -18,10 +20,16 @@ std::string ShmDirectory(std::string_view name) {
 }
 
 Result<std::unique_ptr<Storage>> NewShmStorage(const std::string& name, bool create) {
+  return internal::NewShmStorage(name, create, /*follow_root=*/false);
+}
+
+Result<std::unique_ptr<Storage>> internal::NewShmStorage(const std::string& name, bool create,
+                                                         bool follow_root) {
   CAIRN_RETURN_IF_ERROR(ValidateKey(name).WithContext("shm:// name"));
   internal::PosixStorageOptions opts;
   opts.allow_direct_io = false;
   opts.describe = "shm://" + name;
+  opts.follow_root = follow_root;
   Result<std::unique_ptr<Storage>> r = internal::NewPosixStorage(ShmDirectory(name), create, opts);
   if (!r.ok()) return r.status().WithContext("shm://" + name);
   return r;
