@@ -149,6 +149,17 @@ class CheckpointReader {
   // On error the contents of the destinations are unspecified.
   Status Read(const std::vector<ReadRequest>& requests, ThreadPool* pool);
 
+  // Serves data file `key` from `file` instead of opening it in the storage
+  // (a staging slot's mapping that holds it, StagingPool::OpenMapped).
+  // kInvalidArgument when no data file has that key, DataLoss when the
+  // file's size is not the recorded one. Not while a Read() is running.
+  Status UseFile(std::string_view key, std::unique_ptr<ReadableFile> file);
+  // Closes every data file opened so far (and those UseFile gave); a later
+  // Read() opens them again. Not while a Read() is running.
+  void CloseFiles();
+  // The checkpoint's directory in its storage.
+  const std::string& dir() const { return dir_; }
+
  private:
   CheckpointReader(Storage* storage, std::string dir, Manifest m, ReadOptions opts)
       : storage_(storage), dir_(std::move(dir)), manifest_(std::move(m)), opts_(opts) {}

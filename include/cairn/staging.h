@@ -217,6 +217,18 @@ class StagingPool {
   Result<uint64_t> WriteDataFile(const StagedSave& save, Storage* storage, std::string_view key,
                                  const DataFileOptions& opts, ThreadPool* pool);
 
+  // The bytes of slot `index` as a ReadableFile, served from this process's
+  // mapping of it: a restore of the memory-tier checkpoint this process
+  // staged then copies out of memory whose pages are already mapped, with no
+  // system call or page fault per piece (ReadableFile::InMemory). `path`
+  // is where the reader would open the file; it must name this slot's file
+  // (the same inode). kFailedPrecondition when the slot is in use, not
+  // mapped in this process, or `path` names another file: read the file the
+  // usual way then. While the returned file lives, the slot cannot be
+  // acquired (no save can grow or overwrite it; kFailedPrecondition), and
+  // its mapping outlives Close() and the pool itself.
+  Result<std::unique_ptr<ReadableFile>> OpenMapped(size_t index, const std::string& path);
+
   // The current view of slot `index`, acquired or not (data is null and
   // capacity 0 while this process has not mapped it). For bookkeeping; the
   // bytes belong to whoever acquired the slot.

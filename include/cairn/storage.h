@@ -104,6 +104,11 @@ class ReadableFile {
   // one ReadV (0 = no preference: each read may be issued on its own, as on
   // local disks). s3: its part size, the size of one ranged GET.
   virtual uint64_t PreferredReadSize() const { return 0; }
+
+  // Whether ReadAt copies out of memory this process has mapped (a staging
+  // slot read back, StagingPool::OpenMapped), with no system call: a reader
+  // then reads cache-sized pieces and hashes each while it is in cache.
+  virtual bool InMemory() const { return false; }
 };
 
 struct WriteOptions {

@@ -36,7 +36,7 @@ import io
 import json
 import os
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -558,8 +558,8 @@ class Reader(StorageReader):
         self._pool: _ext.ThreadPool | None = None
         self._reader: _ext.CheckpointReader | None = None
         self._stock: StorageReader | None = None
-        self._metadata: Metadata | None = None
-        self._user_metadata: dict = {}
+        self._metadata: Metadata | None = None  # _dcp_metadata()
+        self._user_metadata: dict | None = {}  # None: not converted yet
         self._storage: _ext.Storage | None = None  # opened once per path
         self._dir = ""  # the checkpoint's directory in it
         if path is not None:
@@ -572,6 +572,9 @@ class Reader(StorageReader):
     @property
     def user_metadata(self) -> dict:
         """The ``user_metadata`` the checkpoint was saved with ({} if none)."""
+        if self._user_metadata is None:
+            user = self._converted(manifest_extra).get("user", {})
+            self._user_metadata = user if isinstance(user, dict) else {}
         return dict(self._user_metadata)
 
     @classmethod
@@ -603,6 +606,7 @@ class Reader(StorageReader):
         self._reader = None
         self._stock = None
         self._metadata = None
+        self._user_metadata = {}
         self._dir = dir
         try:
             if engine is not None:
@@ -631,19 +635,29 @@ class Reader(StorageReader):
                         pass
                 return
             raise
+        # DCP's Metadata and the user metadata are converted from the manifest on
+        # first use: a load in place (a manager's restore) needs neither.
+        self._user_metadata = None
+
+    def _converted(self, convert: Callable[[_ext.Manifest], Any]) -> Any:
+        """convert(the engine's manifest). The engine validated the manifest
+        (extra.dcp included); anything that still fails to convert is a damaged
+        manifest, not a bug."""
+        if self._reader is None:
+            self._reopen()
         try:
-            # The engine validated the manifest (extra.dcp included); anything
-            # that still fails to convert is a damaged manifest, not a bug.
-            manifest = self._reader.manifest()
-            self._metadata = metadata_from_manifest(manifest)
+            return convert(self._reader.manifest())
         except Error as e:
-            if uri in str(e):
+            if self.path in str(e):
                 raise
-            raise type(e)(f"{uri}: {e}") from e
+            raise type(e)(f"{self.path}: {e}") from e
         except Exception as e:  # noqa: BLE001 - untrusted input
-            raise CorruptionError(f"{uri}: malformed manifest ({e!r})") from e
-        user = manifest_extra(manifest).get("user", {})
-        self._user_metadata = user if isinstance(user, dict) else {}
+            raise CorruptionError(f"{self.path}: malformed manifest ({e!r})") from e
+
+    def _dcp_metadata(self) -> Metadata:
+        if self._metadata is None:
+            self._metadata = self._converted(metadata_from_manifest)
+        return self._metadata
 
     def close(self) -> None:
         """Releases the open data files (the reader reopens on next use)."""
@@ -662,10 +676,7 @@ class Reader(StorageReader):
             if self._metadata is not None and kwargs.get("rank") is None:
                 return self._metadata  # read and validated when opened
             return self._stock.read_metadata(*args, **kwargs)
-        if self._metadata is None:
-            self._reopen()
-        assert self._metadata is not None
-        return self._metadata
+        return self._dcp_metadata()
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -706,7 +717,7 @@ class Reader(StorageReader):
                 values.append(index.fqn)
                 value_items.append(ri)
                 continue
-            meta = self._metadata.state_dict_metadata.get(index.fqn)
+            meta = self._dcp_metadata().state_dict_metadata.get(index.fqn)
             if not isinstance(meta, TensorStorageMetadata):
                 raise InvalidArgumentError(
                     f"{index.fqn!r} is not a tensor of the checkpoint at {self.path}")
@@ -741,6 +752,15 @@ class Reader(StorageReader):
 
     # ---- in-place load without DCP's planner (CheckpointManager.restore) ----------
 
+    def stored_keys(self) -> set[str]:
+        """The flattened keys the checkpoint stores (its Metadata's
+        ``state_dict_metadata`` keys)."""
+        if self._stock is not None:
+            return set(self.read_metadata().state_dict_metadata)
+        if self._reader is None:
+            self._reopen()
+        return set(self._reader.keys())
+
     def plan_in_place(self, state_dict: dict[str, Any]) -> "InPlaceLoad | None":
         """A plan to load `state_dict` as ``dcp.load(state_dict, storage_reader=self)``
         does, when every value can be loaded in place without DCP's planner: each
@@ -753,15 +773,13 @@ class Reader(StorageReader):
             return None
         if self._reader is None:
             self._reopen()
-        assert self._metadata is not None
         keys = sorted(state_dict.keys())
         stateful_sd = {}
         for k in keys:
             elem = state_dict[k]
             stateful_sd[k] = elem.state_dict() if isinstance(elem, Stateful) else elem
         flat, mappings = flatten_state_dict(stateful_sd)
-        md = self._metadata.state_dict_metadata
-        missing = md.keys() - flat.keys()
+        missing = self.stored_keys() - flat.keys()
         if missing:
             # DCP re-flattens the old (torch <= 2.3) way when that explains the
             # missing keys (DefaultLoadPlanner.create_local_plan): leave it to DCP.

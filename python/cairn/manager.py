@@ -904,7 +904,7 @@ class CheckpointManager:
         for step in plan.steps:
             while True:
                 choice = plan.next(step)  # (tier, uri, name) or None
-                ok, reader, err = choice is not None, None, None
+                ok, reader, err, lent = choice is not None, None, None, False
                 uri = None if choice is None else choice[1]
                 if self._repl.multi and any(self._gather(uri == "cluster")):
                     try:  # collective: every node assembles the step from its peers
@@ -925,6 +925,8 @@ class CheckpointManager:
                         if choice[0] in ("memory", "peer"):
                             # Node memory: copying and hashing, a thread per core.
                             reader._pool = _pools.copy_pool()
+                        if choice[0] == "memory":
+                            lent = self._read_through_slot(reader, choice[2])
                     except BaseException as e:  # noqa: BLE001 - agreed on below
                         ok, err = False, e
                 verdicts = self._gather((ok, None if choice is None else choice[0]))
@@ -941,6 +943,9 @@ class CheckpointManager:
                     ok, err = True, None
                 except BaseException as e:  # noqa: BLE001
                     ok, err = False, e
+                finally:
+                    if lent:  # gives the slot back, for the next save
+                        reader._reader.close_files()
                 verdicts = self._gather(ok)
                 if self._repl.multi:
                     self._repl.drop_view()
@@ -954,6 +959,18 @@ class CheckpointManager:
                     return step
                 plan.fail(step, choice[0], str(err or "failed on another rank"))
         raise CorruptionError("no checkpoint could be restored: " + plan.failures())
+
+    def _read_through_slot(self, reader: Reader, name: str) -> bool:
+        """Whether `reader` (of memory-tier checkpoint `name`) now reads the staging
+        slot this process holds mapped for it, when it has one: a restore of what this
+        process staged (a rollback) then copies out of memory already mapped, with
+        no system call or page fault per piece, at about the copy floor."""
+        if self._pool_obj is None or reader._reader is None:
+            return False  # a fresh process has mapped nothing: it reads the files
+        for slot in range(self.num_slots):
+            if _ext.TierSet.slot_dir(slot) == name:
+                return bool(self._pool_obj.read_through(reader._reader, slot))
+        return False
 
     def _restored_bytes(self, reader: Reader) -> int | None:
         """This rank's data-file size in the checkpoint just restored (what its next
@@ -1007,7 +1024,14 @@ class CheckpointManager:
     def _plan_ahead(self, state: dict[str, Any]) -> None:
         """Plans a save of `state` now (DCP's planning, nothing staged), so the first
         save() stages with that plan like a steady one (_PlanCache). Collective: every
-        rank calls it (restore() does). A failure only means the first save plans."""
+        rank calls it (restore() does). A failure only means the first save plans.
+        Nothing to do when the last save's plan still fits `state` (a restore by the
+        process that saved: a rollback)."""
+        cache = self._plan_cache
+        if cache is not None:
+            hit = cache.matches(*flatten_state_dict(_state_dict_of(state)))
+            if self._all(hit) if self._dist else hit:
+                return
         writer = _PlanningWriter(self, self._next_slot)
         try:
             with warnings.catch_warnings():
@@ -1020,7 +1044,7 @@ class CheckpointManager:
         writer.planner = None
 
     def _load(self, state: dict[str, Any], reader: Reader) -> None:
-        keys = set(reader.read_metadata().state_dict_metadata)
+        keys = reader.stored_keys()
         to_load = {}
         for k, v in state.items():
             if isinstance(v, RNGState) and not any(x.startswith(f"{k}.rank{v.rank}.")

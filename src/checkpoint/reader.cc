@@ -58,6 +58,10 @@ Result<std::unique_ptr<ReadableFile>> OpenDataFile(Storage* storage, std::string
 namespace {
 
 using internal::kIoPiece;
+
+// What a block read out of memory (ReadableFile::InMemory) copies before
+// hashing it: small enough to still be in L1/L2 when hashed.
+constexpr uint64_t kMappedPiece = uint64_t{64} << 10;
 using internal::OpenDataFile;
 using internal::Where;
 
@@ -68,8 +72,11 @@ Status ReadBlock(const ReadableFile* file, const ManifestFile& f, const ItemLoca
   uint64_t len = std::min(block_size, loc.length - start);
   internal::Hasher h;
   if (!h.ok()) return ResourceExhaustedError("cannot allocate a hash state");
+  // Out of memory already mapped, pieces small enough to hash while still in
+  // cache make the block cost about one copy; else large system calls.
+  const uint64_t piece = file->InMemory() ? kMappedPiece : kIoPiece;
   for (uint64_t done = 0; done < len;) {
-    uint64_t n = std::min(kIoPiece, len - done);
+    uint64_t n = std::min(piece, len - done);
     Status s = file->ReadAt(loc.offset + start + done, dest + done, n);
     if (!s.ok()) {
       if (s.code() == StatusCode::kOutOfRange) {
@@ -193,6 +200,28 @@ Status CheckpointReader::CheckFiles() {
     if (!r.ok()) return r.status().WithContext("opening " + Where(storage_, dir_));
   }
   return Status::OK();
+}
+
+Status CheckpointReader::UseFile(std::string_view key, std::unique_ptr<ReadableFile> file) {
+  for (uint32_t i = 0; i < manifest_.files.size(); ++i) {
+    const ManifestFile& f = manifest_.files[i];
+    if (f.key != key) continue;
+    if (file->Size() != f.size) {
+      return DataLossError(Where(storage_, dir_) + ": " + f.key + ": " +
+                           std::to_string(file->Size()) + " bytes, the manifest records " +
+                           std::to_string(f.size));
+    }
+    std::lock_guard<std::mutex> l(mu_);
+    files_[i] = std::move(file);
+    return Status::OK();
+  }
+  return InvalidArgumentError(Where(storage_, dir_) + " has no data file '" + std::string(key) +
+                              "'");
+}
+
+void CheckpointReader::CloseFiles() {
+  std::lock_guard<std::mutex> l(mu_);
+  files_.clear();
 }
 
 Status CheckpointReader::Read(const std::vector<ReadRequest>& requests, ThreadPool* pool) {

@@ -47,6 +47,8 @@ class PyCheckpointReader {
 
   const Manifest& manifest() const { return reader_->manifest(); }
   const std::string& uri() const { return uri_; }
+  CheckpointReader& engine() { return *reader_; }
+  Storage& storage() { return *storage_; }
 
   // (kind, index, chunk, dest address, nbytes, byte offset in the item);
   // kind 0 = tensor chunk, 1 = bytes item.

@@ -392,7 +392,20 @@ void RegisterCheckpoint(nb::module_& m) {
            "bytes read whole; None when a target is not stored so (include/cairn/read_plan.h).")
       .def("load_in_place", &PyCheckpointReader::LoadInPlace, nb::arg("plan"), nb::arg("pool"),
            "Carries out an InPlacePlan (parallel, verified); returns the bytes of each value\n"
-           "target, in order. The targets' memory must still be alive.");
+           "target, in order. The targets' memory must still be alive.")
+      .def(
+          "keys",
+          [](const PyCheckpointReader& r) {
+            std::vector<std::string> out;
+            for (const auto& t : r.manifest().tensors) out.push_back(t.fqn);
+            for (const auto& b : r.manifest().bytes) out.push_back(b.fqn);
+            return out;
+          },
+          "The names of the stored tensors and values (what DCP's Metadata lists).")
+      .def(
+          "close_files", [](PyCheckpointReader& r) { r.engine().CloseFiles(); },
+          "Closes the data files opened so far (a later read opens them again); gives back\n"
+          "a staging slot StagingPool.read_through lent.");
 
   m.def(
       "verify",

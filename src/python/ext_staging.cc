@@ -202,6 +202,24 @@ void RegisterStaging(nb::module_& m) {
           nb::arg("root_dir"), nb::arg("rank") = 0, nb::arg("num_slots") = 2,
           nb::arg("threads") = 2, nb::arg("remove_on_close") = true)
       .def(
+          "read_through",
+          [](PyStagingPool& self, PyCheckpointReader& reader, size_t slot) {
+            StagingPool& pool = self.Checked();
+            const std::string root = reader.storage().LocalPath();
+            if (root.empty()) return false;
+            const std::string& key = pool.options().file_key;
+            const std::string& dir = reader.engine().dir();
+            auto file = pool.OpenMapped(slot, root + "/" + (dir.empty() ? "" : dir + "/") + key);
+            if (!file.ok()) return false;
+            ThrowIfError(reader.engine().UseFile(key, std::move(file).value()));
+            return true;
+          },
+          nb::arg("reader"), nb::arg("slot"),
+          "Serves `reader`'s data file from slot `slot`'s mapping in this process when the\n"
+          "file is that slot's (StagingPool::OpenMapped): a restore of what this process\n"
+          "staged copies out of memory already mapped. False when it is not (the reader reads\n"
+          "the file as usual). The slot cannot be acquired until reader.close_files().")
+      .def(
           "acquire",
           [](PyStagingPool& self, uint64_t nbytes) {
             StagingPool& p = self.Checked();

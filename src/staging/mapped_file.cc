@@ -116,6 +116,12 @@ Status MappedShmFile::Populate(ThreadPool* pool) {
   return first;
 }
 
+bool MappedShmFile::IsAt(const std::string& path) const {
+  struct stat mine, named;
+  return fd_ >= 0 && ::fstat(fd_, &mine) == 0 && ::stat(path.c_str(), &named) == 0 &&
+         mine.st_dev == named.st_dev && mine.st_ino == named.st_ino;
+}
+
 Status MappedShmFile::Unlink() {
   if (fd_ < 0) return Status::OK();
   struct stat mine, named;

@@ -39,6 +39,10 @@ class MappedShmFile {
   uint64_t size() const { return size_; }
   const std::string& path() const { return path_; }
 
+  // Whether `path` names this file (the same inode), not another file made at
+  // that path since it was opened.
+  bool IsAt(const std::string& path) const;
+
   // Deletes the file's name if it still names this file (not a newer file
   // created at the same path since); the mapping stays valid.
   Status Unlink();

@@ -16,7 +16,8 @@
 namespace cairn {
 
 struct StagingPool::Slot {
-  std::unique_ptr<internal::MappedShmFile> file;  // null until first acquired
+  // Null until first acquired; shared with the files OpenMapped returned.
+  std::shared_ptr<internal::MappedShmFile> file;
   bool in_use = false;
   bool populated = false;     // pre-faulted in this process since the last map
   uint64_t last_release = 0;  // release_seq_ at the last Release (0 = never)
@@ -65,6 +66,9 @@ Result<StagingSlot> StagingPool::AcquireLocked(size_t index, uint64_t min_bytes,
     return st.WithContext("staging slot " + std::to_string(index) + " of rank " +
                           std::to_string(opts_.rank));
   };
+  if (s.file && s.file.use_count() > 1) {
+    return ctx(FailedPreconditionError("a restore is reading it"));
+  }
   if (!s.file) {
     CAIRN_RETURN_IF_ERROR(ctx(internal::MkdirAll(path.substr(0, path.rfind('/')))));
     auto f = internal::MappedShmFile::Open(path);
@@ -88,13 +92,14 @@ Result<StagingSlot> StagingPool::Acquire(uint64_t min_bytes, ThreadPool* pool) {
   if (closed_) return FailedPreconditionError("staging pool is closed");
   size_t best = slots_.size();
   for (size_t i = 0; i < slots_.size(); ++i) {
-    if (slots_[i]->in_use) continue;
+    const Slot& s = *slots_[i];
+    if (s.in_use || (s.file && s.file.use_count() > 1)) continue;  // staging, or being read
     if (best == slots_.size() || slots_[i]->last_release < slots_[best]->last_release) best = i;
   }
   if (best == slots_.size()) {
     return ResourceExhaustedError("all " + std::to_string(slots_.size()) +
-                                  " staging slots are in use (release one, or open the pool "
-                                  "with more slots)");
+                                  " staging slots are in use or being read (release one, or "
+                                  "open the pool with more slots)");
   }
   return AcquireLocked(best, min_bytes, pool);
 }
@@ -124,6 +129,48 @@ Status StagingPool::Release(size_t index) {
   s.in_use = false;
   s.last_release = ++release_seq_;
   return Status::OK();
+}
+
+namespace {
+
+// A slot's bytes read out of its mapping (StagingPool::OpenMapped). Holding
+// the mapping keeps the slot from being acquired, so it cannot change size.
+class MappedSlotFile final : public ReadableFile {
+ public:
+  explicit MappedSlotFile(std::shared_ptr<internal::MappedShmFile> file) : file_(std::move(file)) {}
+
+  Status ReadAt(uint64_t offset, void* buf, size_t n) const override {
+    if (offset > file_->size() || file_->size() - offset < n) {
+      return OutOfRangeError("read of " + std::to_string(n) + " bytes at " +
+                             std::to_string(offset) + " past the end of " + file_->path());
+    }
+    std::memcpy(buf, file_->data() + offset, n);
+    return Status::OK();
+  }
+  uint64_t Size() const override { return file_->size(); }
+  bool InMemory() const override { return true; }
+
+ private:
+  std::shared_ptr<internal::MappedShmFile> file_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<ReadableFile>> StagingPool::OpenMapped(size_t index,
+                                                              const std::string& path) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (closed_) return FailedPreconditionError("staging pool is closed");
+  if (index >= slots_.size()) {
+    return InvalidArgumentError("staging slot " + std::to_string(index) + " out of range");
+  }
+  const Slot& s = *slots_[index];
+  const std::string what = "staging slot " + std::to_string(index);
+  if (s.in_use) return FailedPreconditionError(what + " is in use");
+  if (!s.file || s.file->data() == nullptr) {
+    return FailedPreconditionError(what + " is not mapped in this process");
+  }
+  if (!s.file->IsAt(path)) return FailedPreconditionError(path + " is not " + what + "'s file");
+  return std::unique_ptr<ReadableFile>(new MappedSlotFile(s.file));
 }
 
 Status StagingPool::AcquiredMemory(size_t index, std::string_view what, char** data,
@@ -262,11 +309,11 @@ Status StagingPool::Close() {
   // Unlink first, while this process still holds each file's lock.
   Status first = opts_.remove_on_close ? RemoveFilesLocked() : Status::OK();
   for (auto& s : slots_) {
-    if (s->file) {
+    if (s->file && s->file.use_count() == 1) {
       Status st = s->file->Close(/*unlink=*/false);
       if (first.ok() && !st.ok()) first = st.WithContext("closing staging pool " + opts_.root_dir);
-      s->file.reset();
     }
+    s->file.reset();  // a file OpenMapped returned unmaps it when it goes
     s->in_use = false;
   }
   return first;

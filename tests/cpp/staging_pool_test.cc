@@ -526,5 +526,125 @@ TEST(ThreadPoolSizingTest, IoPoolsAreWiderThanCopyPools) {
   EXPECT_LE(copy, 8u);
 }
 
+// ---- OpenMapped: a restore reading the slot this process staged ------------
+
+// Stages `srcs` into slot 0 of `pool` and commits it as a checkpoint of
+// uint8 tensors "t<i>" in `storage` ("slot0", the memory tier's layout).
+void CommitStaged(StagingPool* pool, Storage* storage, const std::vector<std::vector<char>>& srcs,
+                  ThreadPool* threads) {
+  auto save = StageAll(pool, srcs, threads);
+  ASSERT_TRUE(save.ok()) << save.status().ToString();
+  auto locs = pool->ItemChecksums(*save, 1 << 20, threads);
+  ASSERT_TRUE(locs.ok()) << locs.status().ToString();
+  Manifest m;
+  m.world_size = 1;
+  m.block_size = 1 << 20;
+  m.files.push_back({pool->options().file_key, save->capacity});
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    ManifestTensor t{"t" + std::to_string(i),
+                     "uint8",
+                     {srcs[i].size()},
+                     false,
+                     "strided",
+                     "contiguous_format",
+                     false,
+                     {}};
+    t.chunks.push_back({{0}, {srcs[i].size()}, (*locs)[i]});
+    m.tensors.push_back(t);
+  }
+  ASSERT_TRUE(CommitManifest(storage, StagingPool::SlotDirName(0), m).ok());
+  ASSERT_TRUE(pool->Release(0).ok());
+}
+
+TEST_F(StagingPoolTest, OpenMappedServesTheSlotAndKeepsSavesOutWhileOpen) {
+  auto pool = OpenPool(0, 1);
+  ThreadPool threads(2);
+  auto storage = OpenStorage(dir_);
+  ASSERT_TRUE(storage.ok());
+  std::vector<std::vector<char>> srcs = {Pattern((3 << 20) + 5, 1), Pattern(70000, 2)};
+  CommitStaged(pool.get(), storage->get(), srcs, &threads);
+  const std::string path = dir_ + "/slot0/" + pool->options().file_key;
+  auto file = pool->OpenMapped(0, path);
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  EXPECT_TRUE((*file)->InMemory());
+  EXPECT_EQ((*file)->Size(), fs::file_size(path));
+  std::vector<char> got(100);
+  ASSERT_TRUE((*file)->ReadAt(1000, got.data(), got.size()).ok());
+  EXPECT_TRUE(std::equal(got.begin(), got.end(), srcs[0].begin() + 1000));
+  EXPECT_EQ((*file)->ReadAt((*file)->Size() - 10, got.data(), 11).code(), StatusCode::kOutOfRange);
+  // No save may grow or overwrite the slot while a restore reads it.
+  EXPECT_EQ(pool->AcquireSlot(0, 0).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool->Acquire(1).status().code(), StatusCode::kResourceExhausted);
+  // A checkpoint reader served from the mapping reads and verifies the items.
+  auto reader = CheckpointReader::Open(storage->get(), "slot0");
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  ASSERT_TRUE((*reader)->UseFile(pool->options().file_key, std::move(file).value()).ok());
+  std::vector<std::vector<char>> out = {std::vector<char>(srcs[0].size()),
+                                        std::vector<char>(srcs[1].size())};
+  std::vector<ReadRequest> reqs;
+  for (uint32_t i = 0; i < 2; ++i) {
+    reqs.push_back({{ItemRef::Kind::kTensorChunk, i, 0}, out[i].data(), out[i].size()});
+  }
+  ASSERT_TRUE((*reader)->Read(reqs, &threads).ok());
+  EXPECT_EQ(out, srcs);
+  // Still verified: a byte changed in the slot is a checksum mismatch.
+  auto slot = pool->Peek(0);
+  ASSERT_TRUE(slot.ok());
+  slot->data[(2 << 20) + 7] ^= 1;
+  Status s = (*reader)->Read(reqs, &threads);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("checksum mismatch in block 2 of tensor 't0'"), std::string::npos)
+      << s.ToString();
+  slot->data[(2 << 20) + 7] ^= 1;
+  // Closing the reader's files gives the slot back to the saves.
+  (*reader)->CloseFiles();
+  auto again = pool->AcquireSlot(0, 0);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->capacity, fs::file_size(path));
+}
+
+TEST_F(StagingPoolTest, OpenMappedRefusesWhatItCannotServe) {
+  auto pool = OpenPool(0, 2);
+  const std::string path0 = dir_ + "/slot0/" + pool->options().file_key;
+  // Not mapped in this process (a fresh process reads the files).
+  EXPECT_EQ(pool->OpenMapped(0, path0).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool->OpenMapped(2, path0).status().code(), StatusCode::kInvalidArgument);
+  auto slot = pool->AcquireSlot(0, 1 << 20);
+  ASSERT_TRUE(slot.ok());
+  // In use: a save is staging into it.
+  EXPECT_EQ(pool->OpenMapped(0, path0).status().code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(pool->Release(0).ok());
+  ASSERT_TRUE(pool->OpenMapped(0, path0).ok());
+  // A path that names another file, or nothing.
+  std::ofstream(dir_ + "/other.bin") << "x";
+  EXPECT_EQ(pool->OpenMapped(0, dir_ + "/other.bin").status().code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool->OpenMapped(0, dir_ + "/missing.bin").status().code(),
+            StatusCode::kFailedPrecondition);
+  // The slot's name given to a new file since (its old inode still mapped).
+  fs::remove(path0);
+  std::ofstream(path0) << "new";
+  EXPECT_EQ(pool->OpenMapped(0, path0).status().code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(pool->Close().ok());
+  EXPECT_EQ(pool->OpenMapped(0, path0).status().code(), StatusCode::kFailedPrecondition);
+}
+
+TEST_F(StagingPoolTest, AMappedFileOutlivesThePool) {
+  auto pool = OpenPool(0, 1);
+  std::vector<char> bytes = Pattern(1 << 20, 4);
+  auto slot = pool->AcquireSlot(0, bytes.size());
+  ASSERT_TRUE(slot.ok());
+  std::memcpy(slot->data, bytes.data(), bytes.size());
+  ASSERT_TRUE(pool->Release(0).ok());
+  auto file = pool->OpenMapped(0, slot->path);
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  ASSERT_TRUE(pool->Close().ok());  // deletes the file; the mapping stays with `file`
+  pool.reset();
+  EXPECT_FALSE(fs::exists(slot->path));
+  std::vector<char> got(bytes.size());
+  ASSERT_TRUE((*file)->ReadAt(0, got.data(), got.size()).ok());
+  EXPECT_EQ(got, bytes);
+}
+
 }  // namespace
 }  // namespace cairn

@@ -138,3 +138,38 @@ def test_manager_restores_memory_tier_in_place_and_falls_back_on_corruption(tmp_
         assert same(snapshot(m2, o2, s2), expected)
     finally:
         mgr.close()
+
+
+def test_a_rollback_reads_the_slot_it_staged_and_gives_it_back(tmp_path, monkeypatch):
+    # A restore by the process that staged the step reads its slot through the
+    # staging pool's mapping (StagingPool.read_through); the next saves then stage
+    # into that slot again.
+    model, opt, state = make_state(1)
+    mgr = cairn.CheckpointManager(str(tmp_path / "root"), keep=1, memory_slots=1)
+    lent = []
+    real = mgr._read_through_slot
+    monkeypatch.setattr(mgr, "_read_through_slot",
+                        lambda reader, name: lent.append(real(reader, name)) or lent[-1])
+    try:
+        assert mgr.restore(state) is None
+        mgr.save(1, state, durable=False)
+        mgr.wait()
+        expected = snapshot(model, opt, state)
+        m2, o2, s2 = make_state(6)
+        assert mgr.restore(s2) == 1
+        assert mgr.restored == (1, "memory")
+        assert lent == [True]
+        assert same(snapshot(m2, o2, s2), expected)
+        for step in (2, 3):
+            with torch.no_grad():
+                for p in m2.parameters():
+                    p.add_(1.0)
+            mgr.save(step, s2, durable=False)
+            mgr.wait()
+        expected = snapshot(m2, o2, s2)
+        m3, o3, s3 = make_state(7)
+        assert mgr.restore(s3) == 3
+        assert lent == [True, True]
+        assert same(snapshot(m3, o3, s3), expected)
+    finally:
+        mgr.close()
