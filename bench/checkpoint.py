@@ -65,6 +65,7 @@ import torch.distributed.checkpoint as dcp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "python"))
 import cairn  # noqa: E402
+from cairn import _pools  # noqa: E402
 from cairn._measure import (  # noqa: E402  - shared with `cairn bench`
     GB,
     Sample,
@@ -394,10 +395,35 @@ def _timed_restore(ctx: Context, mgr, rnd: int, tier: str, where: str, check: bo
     return seconds
 
 
+def _timed_unmapped_read(ctx: Context, mgr, rnd: int, check: bool) -> float:
+    """Seconds a fresh cairn.Reader of the memory-tier slot restore() just read takes
+    to load it in place into a blank state: what a restarted process's restore reads
+    (the files, by pread from tmpfs), since it holds no mapping of the slot."""
+    (name, uri), = [(c[3], c[2]) for c in mgr._candidates() if c[:2] == (rnd, "memory")]
+    reader = cairn.Reader._in(mgr._tiers.storage("memory"), name, uri)
+    reader._pool = _pools.copy_pool()  # as restore() reads node memory
+    dest = like(ctx.state)
+    trim()
+    t0 = time.perf_counter()
+    plan = reader.plan_in_place(dest)
+    if plan is None:
+        raise RuntimeError("the memory-tier slot cannot be loaded in place")
+    reader.load_in_place(plan)
+    seconds = time.perf_counter() - t0
+    if check and not same(dest, ctx.state):
+        raise RuntimeError("the memory-tier slot read unmapped differs from the saved state")
+    return seconds
+
+
 def manager_restore(ctx: Context, rnd: int, check: bool) -> dict[str, float]:
-    """restore() of the step just saved: by the saving manager, from its memory tier;
-    by a manager with memory=False, from the durable tier, cold."""
-    memory_s = _timed_restore(ctx, _manager(ctx), rnd, "memory", "memory", check, cold=False)
+    """restore() of the step just saved: by the saving manager, from its memory tier
+    (through its staging pool's mapping of the slot); the same slot read as a
+    restarted process reads it (unmapped); by a manager with memory=False, from the
+    durable tier, cold."""
+    mgr = _manager(ctx)
+    memory_s = _timed_restore(ctx, mgr, rnd, "memory", "memory", check, cold=False)
+    mgr.wait()  # prepare()'s pre-faulting, not to be timed below
+    unmapped_s = _timed_unmapped_read(ctx, mgr, rnd, check)
     disk = ctx.sessions.get("manager-disk")
     if disk is None:
         # Closed after the saving manager (closing removes the run's shm directory).
@@ -406,7 +432,8 @@ def manager_restore(ctx: Context, rnd: int, check: bool) -> dict[str, float]:
         ctx.closers.append(disk.close)
     disk_s = _timed_restore(ctx, disk, rnd, "durable", "disk", check, cold=True)
     trim()
-    return {"restore memory": memory_s, "restore disk (cold)": disk_s}
+    return {"restore memory": memory_s, "restore memory, unmapped": unmapped_s,
+            "restore disk (cold)": disk_s}
 
 
 @dataclasses.dataclass
@@ -548,6 +575,10 @@ def ratios(floors: dict[str, Sample], peers: dict[str, dict[str, Sample]],
         out["manager_restore_memory / copy_floor"] = {
             "value": v, "target": "<= 1.25 (checksums verified)", "met": v <= 1.25,
             "floor": copy_name}
+    if "restore memory, unmapped" in mgr and copy is not None:
+        v = mgr["restore memory, unmapped"].median / copy.median
+        out["memory_tier_read_unmapped / copy_floor"] = {"value": v, "target": "(info)",
+                                                         "met": None, "floor": copy_name}
     shm = peers.get("dcp.async_save+shm", {})
     if "stall" in shm and "stall" in ref:
         v = shm["stall"].median / ref["stall"].median
@@ -608,9 +639,9 @@ def print_report(ctx: Context, meta: dict, floors, peers, series, rat) -> None:
                   f"(peak {peak:.2f}x)")
         print()
         for name, ops in peers.items():
-            for op in ("restore memory", "restore disk (cold)"):
+            for op in ("restore memory", "restore memory, unmapped", "restore disk (cold)"):
                 if op in ops:
-                    print(f"{name} {op:<22}{ops[op].median:>9.3f} s{ops[op].gbps:>8.2f} GB/s")
+                    print(f"{name} {op:<26}{ops[op].median:>9.3f} s{ops[op].gbps:>8.2f} GB/s")
         for name, label in (("dcp", "dcp.load (cold)"), ("cairn", "cairn.Reader (cold)")):
             if "load" in peers.get(name, {}):
                 print(f"reference {label:<24}{peers[name]['load'].median:>9.3f} s")

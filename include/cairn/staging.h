@@ -220,7 +220,7 @@ class StagingPool {
   // The bytes of slot `index` as a ReadableFile, served from this process's
   // mapping of it: a restore of the memory-tier checkpoint this process
   // staged then copies out of memory whose pages are already mapped, with no
-  // system call or page fault per piece (ReadableFile::InMemory). `path`
+  // system call or page fault per piece (ReadableFile::MappedData). `path`
   // is where the reader would open the file; it must name this slot's file
   // (the same inode). kFailedPrecondition when the slot is in use, not
   // mapped in this process, or `path` names another file: read the file the

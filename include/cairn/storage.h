@@ -105,10 +105,11 @@ class ReadableFile {
   // local disks). s3: its part size, the size of one ranged GET.
   virtual uint64_t PreferredReadSize() const { return 0; }
 
-  // Whether ReadAt copies out of memory this process has mapped (a staging
-  // slot read back, StagingPool::OpenMapped), with no system call: a reader
-  // then reads cache-sized pieces and hashes each while it is in cache.
-  virtual bool InMemory() const { return false; }
+  // The file's bytes, mapped in this process for as long as the file is open
+  // (a staging slot read back, StagingPool::OpenMapped), or null. A reader
+  // then hashes them a cache-sized piece at a time and copies each piece
+  // while it is in cache, with no system call.
+  virtual const char* MappedData() const { return nullptr; }
 };
 
 struct WriteOptions {

@@ -19,6 +19,7 @@
 
 #include "cairn/checkpoint.h"
 #include "checkpoint/io_util.h"
+#include "io/stream_copy.h"
 
 namespace cairn {
 
@@ -59,8 +60,8 @@ namespace {
 
 using internal::kIoPiece;
 
-// What a block read out of memory (ReadableFile::InMemory) copies before
-// hashing it: small enough to still be in L1/L2 when hashed.
+// What a block read out of a mapping (ReadableFile::MappedData) hashes and
+// then copies: small enough to still be in L1/L2 for the copy.
 constexpr uint64_t kMappedPiece = uint64_t{64} << 10;
 using internal::OpenDataFile;
 using internal::Where;
@@ -72,20 +73,29 @@ Status ReadBlock(const ReadableFile* file, const ManifestFile& f, const ItemLoca
   uint64_t len = std::min(block_size, loc.length - start);
   internal::Hasher h;
   if (!h.ok()) return ResourceExhaustedError("cannot allocate a hash state");
-  // Out of memory already mapped, pieces small enough to hash while still in
-  // cache make the block cost about one copy; else large system calls.
-  const uint64_t piece = file->InMemory() ? kMappedPiece : kIoPiece;
+  // Bytes this process has mapped are hashed a piece at a time, and each
+  // piece copied while it is in cache, with streaming stores (the destination
+  // is not read soon). The bytes copied are the bytes hashed: the slot is
+  // held, and no cooperating process writes another's slot file. Other files
+  // are read in large pieces, each hashed right after it lands.
+  const char* mapped = file->MappedData();
+  auto truncated = [&] {
+    return DataLossError(f.key + ": truncated while reading block " + std::to_string(b) + " of " +
+                         name);
+  };
   for (uint64_t done = 0; done < len;) {
-    uint64_t n = std::min(piece, len - done);
-    Status s = file->ReadAt(loc.offset + start + done, dest + done, n);
-    if (!s.ok()) {
-      if (s.code() == StatusCode::kOutOfRange) {
-        return DataLossError(f.key + ": truncated while reading block " + std::to_string(b) +
-                             " of " + name);
-      }
-      return s.WithContext(f.key + ": reading " + name);
+    const uint64_t n = std::min(mapped ? kMappedPiece : kIoPiece, len - done);
+    const uint64_t at = loc.offset + start + done;
+    if (mapped) {
+      if (at > file->Size() || file->Size() - at < n) return truncated();
+      h.Update(mapped + at, n);
+      internal::StreamCopy(dest + done, mapped + at, n);
+    } else {
+      Status s = file->ReadAt(at, dest + done, n);
+      if (s.code() == StatusCode::kOutOfRange) return truncated();
+      if (!s.ok()) return s.WithContext(f.key + ": reading " + name);
+      h.Update(dest + done, n);
     }
-    h.Update(dest + done, n);
     done += n;
   }
   if (h.Digest() != loc.checksums[b]) {

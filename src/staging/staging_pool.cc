@@ -148,7 +148,7 @@ class MappedSlotFile final : public ReadableFile {
     return Status::OK();
   }
   uint64_t Size() const override { return file_->size(); }
-  bool InMemory() const override { return true; }
+  const char* MappedData() const override { return file_->data(); }
 
  private:
   std::shared_ptr<internal::MappedShmFile> file_;

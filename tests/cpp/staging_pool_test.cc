@@ -566,7 +566,7 @@ TEST_F(StagingPoolTest, OpenMappedServesTheSlotAndKeepsSavesOutWhileOpen) {
   const std::string path = dir_ + "/slot0/" + pool->options().file_key;
   auto file = pool->OpenMapped(0, path);
   ASSERT_TRUE(file.ok()) << file.status().ToString();
-  EXPECT_TRUE((*file)->InMemory());
+  EXPECT_EQ((*file)->MappedData(), pool->Peek(0)->data);
   EXPECT_EQ((*file)->Size(), fs::file_size(path));
   std::vector<char> got(100);
   ASSERT_TRUE((*file)->ReadAt(1000, got.data(), got.size()).ok());
