@@ -21,6 +21,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -208,6 +209,11 @@ void RegisterStaging(nb::module_& m) {
             const std::string root = reader.storage().LocalPath();
             if (root.empty()) return false;
             const std::string& key = pool.options().file_key;
+            const auto& files = reader.manifest().files;
+            if (std::none_of(files.begin(), files.end(),
+                             [&](const ManifestFile& f) { return f.key == key; })) {
+              return false;  // the checkpoint holds no data file of this rank
+            }
             const std::string& dir = reader.engine().dir();
             auto file = pool.OpenMapped(slot, root + "/" + (dir.empty() ? "" : dir + "/") + key);
             if (!file.ok()) return false;
