@@ -931,6 +931,8 @@ class CheckpointManager:
                         ok, err = False, e
                 verdicts = self._gather((ok, None if choice is None else choice[0]))
                 if not all(v[0] for v in verdicts):
+                    if lent:  # another rank cannot read this step: give the slot back
+                        reader._reader.close_files()
                     if choice is None:
                         break  # some rank has no tier left for this step
                     if not ok:
