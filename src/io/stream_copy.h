@@ -1,5 +1,6 @@
 // StreamCopy: a copy whose stores bypass the cache (non-temporal), for
-// copying far more bytes than the caches hold into memory nobody reads soon.
+// copying far more bytes than the caches hold into memory nobody reads soon
+// (a staging copy, ParallelCopy; a restore out of a mapped slot, ReadBlock).
 // Ordinary stores first read each destination line into the cache (a read
 // for ownership) and later write it back: three memory transfers per byte;
 // streaming stores make it two. Here that took a 2-thread copy of 1.5 GiB from

@@ -9,17 +9,13 @@
 // passes for two. One memcpy of the whole state crosses the threshold and
 // streams, which is why it measured ~1.5x faster than per-tensor memcpys.
 // So pieces of at least kStreamMinBytes are copied with non-temporal stores
-// (SSE2, baseline on x86-64), fenced before the copy returns.
+// (internal::StreamCopy, fenced before it returns).
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <emmintrin.h>
-#define CAIRN_STREAM_COPY 1
-#endif
-
 #include "cairn/staging.h"
 #include "io/parallel.h"
+#include "io/stream_copy.h"
 
 namespace cairn {
 
@@ -57,41 +53,11 @@ void AddPieces(const char* src, char* dst, uint64_t nbytes, uint64_t piece_bytes
 // caches' reach, and small items are often read again soon.
 constexpr size_t kStreamMinBytes = size_t{256} << 10;
 
-// memcpy with non-temporal stores for the 16-byte-aligned bulk of `dst`; the
-// caller fences (_mm_sfence) before the bytes are handed on.
-void StreamCopy(char* dst, const char* src, size_t n) {
-#ifdef CAIRN_STREAM_COPY
-  size_t head = (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16;
-  if (head > n) head = n;
-  std::memcpy(dst, src, head);
-  dst += head;
-  src += head;
-  n -= head;
-  size_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-    __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-  }
-  std::memcpy(dst + i, src + i, n - i);
-#else
-  std::memcpy(dst, src, n);
-#endif
-}
-
 void CopyPieces(const std::vector<Piece>& pieces, ThreadPool* pool, bool stream) {
   internal::ParallelFor(pieces.size(), pool, 0, [&](size_t i) {
     const Piece& p = pieces[i];
     if (stream && p.n >= kStreamMinBytes) {
-      StreamCopy(p.dst, p.src, p.n);
-#ifdef CAIRN_STREAM_COPY
-      _mm_sfence();  // this thread's streaming stores are visible before it reports done
-#endif
+      internal::StreamCopy(p.dst, p.src, p.n);  // fenced: visible before it reports done
     } else {
       std::memcpy(p.dst, p.src, p.n);
     }
