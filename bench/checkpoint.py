@@ -400,6 +400,7 @@ def _timed_unmapped_read(ctx: Context, mgr, rnd: int, check: bool) -> float:
     to load it in place into a blank state: what a restarted process's restore reads
     (the files, by pread from tmpfs), since it holds no mapping of the slot."""
     (name, uri), = [(c[3], c[2]) for c in mgr._candidates() if c[:2] == (rnd, "memory")]
+    mgr._open_readers.clear()  # candidates() keeps its readers for a restore: none here
     reader = cairn.Reader._in(mgr._tiers.storage("memory"), name, uri)
     reader._pool = _pools.copy_pool()  # as restore() reads node memory
     dest = like(ctx.state)

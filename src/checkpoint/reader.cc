@@ -59,12 +59,12 @@ Result<std::unique_ptr<ReadableFile>> OpenDataFile(Storage* storage, std::string
 namespace {
 
 using internal::kIoPiece;
+using internal::OpenDataFile;
+using internal::Where;
 
 // What a block read out of a mapping (ReadableFile::MappedData) hashes and
 // then copies: small enough to still be in L1/L2 for the copy.
 constexpr uint64_t kMappedPiece = uint64_t{64} << 10;
-using internal::OpenDataFile;
-using internal::Where;
 
 // Reads block `b` of an item into dest (len bytes) and checks its checksum.
 Status ReadBlock(const ReadableFile* file, const ManifestFile& f, const ItemLocation& loc,

@@ -214,8 +214,7 @@ void RegisterStaging(nb::module_& m) {
                              [&](const ManifestFile& f) { return f.key == key; })) {
               return false;  // the checkpoint holds no data file of this rank
             }
-            const std::string& dir = reader.engine().dir();
-            auto file = pool.OpenMapped(slot, root + "/" + (dir.empty() ? "" : dir + "/") + key);
+            auto file = pool.OpenMapped(slot, JoinKey(root, JoinKey(reader.engine().dir(), key)));
             if (!file.ok()) return false;
             ThrowIfError(reader.engine().UseFile(key, std::move(file).value()));
             return true;
