@@ -6,6 +6,7 @@
 //   cairn cp SRC DST        copies a committed checkpoint (dirs or shm:// URIs)
 //   cairn prune ROOT -k K   keeps the newest K committed step_<N> checkpoints
 //                           (and aborts stale unfinished S3 uploads)
+//   cairn rm PATH...        removes checkpoints (e.g. shm://NAME ones), manifest first
 //   cairn ls --memory       this node's memory tiers: size, step, run root, owner
 //   cairn gc                deletes orphaned memory tiers (memory_commands.cc)
 //   cairn floors DIR        this machine's memcpy, O_DIRECT write and parallel
@@ -15,13 +16,25 @@
 //   cairn bench PATH        quick checkpoint benchmark of PATH's storage
 //                           (python -m cairn.bench)
 //
-// drill and bench need torch, so they are Python modules: the CLI execs the Python
-// interpreter that has cairn installed: $CAIRN_PYTHON if set, else the `python3`
-// next to this executable (a virtual environment's bin/, where pip installs
-// `cairn`), else `python3` on PATH. Their arguments are passed through unchanged.
+// drill and bench need torch, so they are Python modules: the CLI execs a Python
+// interpreter that can import cairn, the first of (FindPython below):
+//   1. $CAIRN_PYTHON when set (an explicit choice: used alone, never passed over);
+//   2. the `python3`/`python` next to the path the CLI was run by (a venv's
+//      bin/cairn symlink, or `cairn` found on PATH: that venv's interpreter);
+//   3. the `python3`/`python` next to this executable itself (pip installs it
+//      into the venv's bin/);
+//   4. the interpreter it was built for (CMake's Python_EXECUTABLE, baked in as
+//      CAIRN_BUILD_PYTHON), so build/cairn works with the venv inactive;
+//   5. `python3` on PATH.
+// Each candidate is asked (a quick `-c`, importing nothing) whether it finds the
+// `cairn` package; the error lists every candidate and why it was passed over.
+// Their arguments are passed through unchanged.
 //
 // PATH/ROOT are directories, file://DIR, shm://NAME or s3://BUCKET/PREFIX. Exit codes: 0 ok,
 // 1 corruption or failure, 2 usage or not found.
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -45,6 +58,7 @@
 
 namespace {
 
+using cairn::Result;
 using cairn::Status;
 
 using cairn::cli::HumanBytes;
@@ -168,7 +182,12 @@ int CmdVerify(const std::string& path, size_t threads) {
   Progress progress("verifying");
   Status s =
       cairn::Verify(storage->get(), "", &pool, [&](uint64_t d, uint64_t t) { progress(d, t); });
-  if (!s.ok()) return Fail(s);
+  progress.Finish();  // the error starts a line of its own
+  if (!s.ok()) {
+    // Not a cairn checkpoint (a root of them, a stock one): a usage error.
+    int rc = Fail(s);
+    return s.code() == cairn::StatusCode::kInvalidArgument ? 2 : rc;
+  }
   std::printf("OK: %s\n", storage->get()->Describe().c_str());
   return 0;
 }
@@ -210,34 +229,143 @@ int CmdPrune(const std::string& root, uint64_t keep, bool partials, bool dry_run
   return 0;
 }
 
+int CmdRm(const std::vector<std::string>& paths) {
+  for (const auto& p : paths) {
+    Status s = cairn::RemoveCheckpointUri(p);
+    if (!s.ok()) return Fail(s);
+    std::printf("removed %s\n", p.c_str());
+  }
+  return 0;
+}
+
+// Whether `python` runs and finds the cairn package (without importing it, so
+// torch is not loaded): "" when it does, else why not.
+std::string ProbePython(const std::string& python) {
+  if (python.find('/') != std::string::npos && access(python.c_str(), X_OK) != 0) {
+    return std::strerror(errno);
+  }
+  std::vector<std::string> args = {
+      python, "-c",
+      "import importlib.util as u, sys\n"
+      "sys.exit(3 if u.find_spec('cairn') is None else 4 if u.find_spec('torch') is None else 0)"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_addopen(&fa, 2, "/dev/null", O_WRONLY, 0);
+  pid_t pid = -1;
+  int err = posix_spawnp(&pid, python.c_str(), &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (err != 0) return std::strerror(err);
+  int st = 0;
+  while (waitpid(pid, &st, 0) < 0) {
+    if (errno != EINTR) return std::strerror(errno);
+  }
+  if (WIFEXITED(st) && WEXITSTATUS(st) == 0) return "";
+  if (WIFEXITED(st) && WEXITSTATUS(st) == 3) return "no module named 'cairn'";
+  if (WIFEXITED(st) && WEXITSTATUS(st) == 4) return "finds cairn but not torch";
+  if (WIFEXITED(st) && WEXITSTATUS(st) == 127) return "not found";
+  return "does not run (exit status " + std::to_string(WIFEXITED(st) ? WEXITSTATUS(st) : -1) + ")";
+}
+
+std::string DirName(const std::string& path) {
+  size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+// The path `name` (argv[0] without a slash) was found at on PATH, or "".
+std::string WhichOnPath(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  if (path == nullptr) return "";
+  std::string p = path;
+  for (size_t start = 0; start <= p.size();) {
+    size_t colon = p.find(':', start);
+    if (colon == std::string::npos) colon = p.size();
+    std::string dir = p.substr(start, colon - start);
+    std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    if (access(candidate.c_str(), X_OK) == 0) return candidate;
+    start = colon + 1;
+  }
+  return "";
+}
+
+// The interpreter to run cairn's Python modules with (see the header comment),
+// or an error naming every candidate tried and why it was passed over.
+Result<std::string> FindPython(const char* argv0) {
+  std::vector<std::string> tried;
+  auto attempt = [&](const std::string& python, const std::string& from) -> bool {
+    std::string why = ProbePython(python);
+    if (why.empty()) return true;
+    tried.push_back(python + " (" + from + "): " + why);
+    return false;
+  };
+  if (const char* env = std::getenv("CAIRN_PYTHON"); env != nullptr && *env != '\0') {
+    if (attempt(env, "$CAIRN_PYTHON")) return std::string(env);
+    return cairn::NotFoundError("$CAIRN_PYTHON=" + std::string(env) +
+                                " cannot run cairn: " + tried.back() +
+                                "; point it at the python of the environment cairn is "
+                                "installed in, or unset it");
+  }
+  std::vector<std::pair<std::string, std::string>> candidates;
+  auto add_dir = [&](const std::string& dir, const std::string& from) {
+    for (const char* name : {"python3", "python"}) {
+      std::string p = dir + "/" + name;
+      if (access(p.c_str(), F_OK) == 0) {
+        candidates.emplace_back(p, from);
+        return;
+      }
+    }
+    tried.push_back(dir + "/python3 (" + from + "): not there");
+  };
+  std::string invoked = argv0 != nullptr ? argv0 : "";
+  if (invoked.find('/') == std::string::npos && !invoked.empty()) invoked = WhichOnPath(invoked);
+  if (!invoked.empty()) add_dir(DirName(invoked), "next to " + invoked);
+  char self[4096];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n > 0) {
+    std::string exe(self, static_cast<size_t>(n));
+    if (DirName(exe) != DirName(invoked)) add_dir(DirName(exe), "next to " + exe);
+  }
+#ifdef CAIRN_BUILD_PYTHON
+  candidates.emplace_back(CAIRN_BUILD_PYTHON, "the Python this CLI was built for");
+#endif
+  candidates.emplace_back("python3", "on PATH");
+  for (const auto& [python, from] : candidates) {
+    if (attempt(python, from)) return python;
+  }
+  std::string msg = "no Python that can import cairn; tried $CAIRN_PYTHON (unset)";
+  for (const auto& t : tried) msg += ", " + t;
+  return cairn::NotFoundError(msg +
+                              ". Set CAIRN_PYTHON to the python of the environment cairn is "
+                              "installed in (or run `python -m cairn.<command>` there)");
+}
+
 // Replaces this process with `PYTHON -m MODULE ARGS...` (see the header comment).
 int ExecPythonModule(const char* argv0, const std::string& module,
                      const std::vector<std::string>& args) {
-  std::string python;
-  if (const char* env = std::getenv("CAIRN_PYTHON"); env != nullptr && *env != '\0') {
-    python = env;
-  } else {
-    char self[4096];
-    ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-    std::string dir = n > 0 ? std::string(self, static_cast<size_t>(n)) : std::string(argv0);
-    dir = dir.substr(0, dir.find_last_of('/') == std::string::npos ? 0 : dir.find_last_of('/'));
-    std::string sibling = (dir.empty() ? "." : dir) + "/python3";
-    python = access(sibling.c_str(), X_OK) == 0 ? sibling : "python3";
+  auto python = FindPython(argv0);
+  if (!python.ok()) {
+    std::fprintf(stderr, "cairn %s: %s\n", module.substr(module.find('.') + 1).c_str(),
+                 python.status().message().c_str());
+    return 2;
   }
-  std::vector<std::string> all = {python, "-m", module};
+  std::vector<std::string> all = {*python, "-m", module};
   all.insert(all.end(), args.begin(), args.end());
   std::vector<char*> cargv;
   for (auto& a : all) cargv.push_back(a.data());
   cargv.push_back(nullptr);
-  execvp(python.c_str(), cargv.data());
-  std::fprintf(stderr, "cairn: cannot run %s -m %s: %s (set CAIRN_PYTHON)\n", python.c_str(),
+  execvp(python->c_str(), cargv.data());
+  std::fprintf(stderr, "cairn: cannot run %s -m %s: %s (set CAIRN_PYTHON)\n", python->c_str(),
                module.c_str(), std::strerror(errno));
   return 2;
 }
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int Main(int argc, char** argv) {
   // drill and bench are Python modules: everything after the subcommand is theirs.
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -302,6 +430,12 @@ int main(int argc, char** argv) {
   prune->add_option("--stale-uploads", stale_uploads_s,
                     "abort unfinished uploads (s3) older than this many seconds; -1: never");
 
+  std::vector<std::string> rm_paths;
+  auto* rm = app.add_subcommand(
+      "rm", "remove checkpoints (committed or partial), e.g. shm://NAME ones: manifest first");
+  rm->add_option("PATH", rm_paths, "checkpoint directories or URIs (not a root: see prune)")
+      ->required();
+
   cairn::cli::FloorsCommandOptions fl;
   uint64_t floor_mb = fl.bytes >> 20;
   bool no_drop = false;
@@ -336,6 +470,22 @@ int main(int argc, char** argv) {
     fl.drop_caches = !no_drop;
     return cairn::cli::CmdFloors(fl);
   }
+  if (*rm) return CmdRm(rm_paths);
   if (*prune) return CmdPrune(root, keep, partials, dry_run, stale_uploads_s);
   return 2;
+}
+
+// An exception that escapes a command (a thread the system refuses to start, an
+// allocation that fails) becomes an error message and exit 1, never an abort.
+int main(int argc, char** argv) {
+  try {
+    return Main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "cairn: error: %s\n", e.what());
+  } catch (...) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "cairn: error: an unknown exception\n");
+  }
+  return 1;
 }

@@ -249,6 +249,16 @@ struct PruneOptions {
 Status Prune(Storage* storage, std::string_view root, const PruneOptions& opts,
              std::vector<std::string>* removed);
 
+// Removes the one checkpoint at `uri` (committed or partial; a directory,
+// file://, shm://NAME or s3://), manifest first, so a crash mid-way leaves a
+// partial checkpoint, never a committed one with missing data; a local
+// directory (an shm:// one in /dev/shm included) goes with it. Refused with
+// FailedPrecondition, before anything is removed, when `uri` is no cairn
+// checkpoint: a root holding checkpoints (name one of them), a stock DCP
+// checkpoint or any other directory. NotFound when it does not exist. A
+// CheckpointManager's memory tier is reclaimed by `cairn gc`, not by this.
+Status RemoveCheckpointUri(std::string_view uri);
+
 // ---- Copying -------------------------------------------------------------
 
 struct CopyOptions {

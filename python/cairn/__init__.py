@@ -5,7 +5,13 @@ Three depths of use: ``cairn.Writer``/``cairn.Reader`` as DCP storage backends;
 ``cairn.data`` for a cached, partitioned, resumable data pipeline.
 """
 
-from cairn.discovery import copy_checkpoint, latest_valid, list_checkpoints, verify
+from cairn.discovery import (
+    copy_checkpoint,
+    latest_valid,
+    list_checkpoints,
+    remove_checkpoint,
+    verify,
+)
 from cairn.errors import (
     CorruptionError,
     Error,

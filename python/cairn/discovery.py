@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 
 from cairn import _ext, _pools
 from cairn.errors import NotFoundError
 
-__all__ = ["latest_valid", "verify", "list_checkpoints", "copy_checkpoint"]
+__all__ = ["latest_valid", "verify", "list_checkpoints", "copy_checkpoint", "remove_checkpoint"]
 
 
 def _root_uri(path: str | os.PathLike) -> str:
@@ -22,15 +23,18 @@ def open_path(path: "str | os.PathLike | _ext.Storage", what: str = "",
               create: bool = False) -> _ext.Storage:
     """The storage at `path`, opened once by the engine's registry (an open storage
     as it is). Without `create`, a missing `path` is NotFoundError, "no such
-    <what>: <path>" when `what` is given."""
+    <what>: <path>" when `what` is given ("not a <what>" for a file); with
+    `create`, the engine's error as it is (e.g. S3's NoSuchBucket)."""
     if isinstance(path, _ext.Storage):
         return path
     uri = _root_uri(path)
     try:
         return _ext.open_storage(uri, create=create)
     except NotFoundError as e:
-        if not what:
-            raise
+        if not what or create:
+            raise  # creating: the engine names what is missing (e.g. S3's NoSuchBucket)
+        if getattr(e, "sys_errno", 0) == errno.ENOTDIR:  # e.g. a file, not a directory
+            raise NotFoundError(f"not a {what} (a directory): {e}") from e
         raise NotFoundError(f"no such {what}: {uri}") from e
 
 
@@ -105,3 +109,18 @@ def copy_checkpoint(
         sync=sync,
         verify_destination=verify_destination,
     )
+
+
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Removes the one checkpoint at ``path`` (committed or partial), manifest first.
+
+    ``path`` is any URI cairn takes; this is how a checkpoint saved to
+    ``shm://NAME`` (``/dev/shm/NAME``, which outlives the process) is freed: the
+    directory goes too. Raises :class:`cairn.errors.PreconditionError` before removing
+    anything when ``path`` is not a cairn checkpoint (a root holding checkpoints:
+    name one, or use ``cairn prune``; a stock DCP checkpoint; another directory)
+    and :class:`cairn.NotFoundError` when it does not exist. The same as
+    ``cairn rm PATH``. A ``CheckpointManager``'s memory tier is not removed this
+    way: ``close()`` frees it, ``cairn gc`` reclaims a crashed run's.
+    """
+    _ext.remove_checkpoint(_root_uri(path))

@@ -393,6 +393,16 @@ class CheckpointManager:
     after staging; ``wait()`` blocks until the save is durable; ``close()`` waits,
     flushes the newest save to the durable tier if it was not there yet, and frees
     the shared memory.
+
+    Attributes:
+        restored: ``(step, tier)`` of the last successful ``restore()``, tier one of
+            ``"memory"``, ``"peer"`` (a replica on another node), ``"local"``,
+            ``"durable"``; None before any, or when there was nothing to restore.
+        flush_on_close: whether ``close()`` writes the newest save to the durable
+            tier when it was memory-only (``durable=False`` or ``durable_every``);
+            True. A subclass (or instance) whose durable tier another owner manages
+            sets it False: ``cairn.ray``'s manager, where Ray tracks every durable
+            checkpoint.
     """
 
     def __init__(self, root: str | os.PathLike, memory: bool = True,
@@ -782,8 +792,13 @@ class CheckpointManager:
             raise Error(f"background checkpoint failed: {e}") from e
 
     def stats(self) -> dict[str, Any]:
-        """Figures of the saves so far: count, the median blocking stall and persist
-        time in seconds, and the last save's figures."""
+        """Figures of this manager's successful saves so far, for logging:
+        ``{"saves": N, "median_stall_s", "median_persist_s", "last": {...}}``
+        (``{"saves": 0}`` before the first). ``stall_s`` is the time ``save()``
+        blocked (staging), ``persist_s`` the background time until the save's last
+        tier committed; ``last`` is the newest save's ``step``, ``stall_s``,
+        ``persist_s``, ``tiers`` (those it reached, e.g. ``["memory", "durable"]``),
+        ``bytes`` (this rank's staged bytes) and ``ok``."""
         h = [x for x in self._history if x["ok"]]
         if not h:
             return {"saves": 0}

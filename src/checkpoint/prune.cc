@@ -1,5 +1,9 @@
-// Retention of step_<N> checkpoints (see Prune in cairn/checkpoint.h).
+// Retention of step_<N> checkpoints and removal of one checkpoint (see Prune
+// and RemoveCheckpointUri in cairn/checkpoint.h).
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 
 #include "cairn/checkpoint.h"
 #include "cairn/format.h"
@@ -46,6 +50,44 @@ Status Prune(Storage* storage, std::string_view root, const PruneOptions& opts,
   if (!opts.dry_run && opts.stale_upload_age_s >= 0) {
     Status s = storage->AbortStaleUploads(root, opts.stale_upload_age_s);
     if (!s.ok()) return s.WithContext(where + ": aborting stale uploads");
+  }
+  return Status::OK();
+}
+
+Status RemoveCheckpointUri(std::string_view uri) {
+  CAIRN_ASSIGN_OR_RETURN(std::unique_ptr<Storage> storage, OpenStorage(uri, /*create=*/false));
+  Storage* st = storage.get();
+  const std::string where = "removing " + st->Describe();
+  // What is there: a cairn checkpoint has a manifest, or (partial) its data/
+  // directory and nothing that is a checkpoint of its own.
+  CAIRN_ASSIGN_OR_RETURN(bool has_manifest, st->Exists(format::kManifestName));
+  CAIRN_ASSIGN_OR_RETURN(bool has_data, st->Exists(format::kDataDir));
+  if (!has_manifest) {
+    auto listed = ListCheckpoints(st, "");
+    if (!listed.ok()) return listed.status().WithContext(where);
+    for (const auto& c : *listed) {
+      if (c.committed || c.step) {
+        return FailedPreconditionError(where + ": a root of checkpoints (it holds " + c.name +
+                                       "), not one checkpoint: name the one to remove, or "
+                                       "use cairn prune");
+      }
+    }
+    CAIRN_ASSIGN_OR_RETURN(bool stock, st->Exists(".metadata"));
+    if (stock || !has_data) {
+      return FailedPreconditionError(
+          where + ": not a cairn checkpoint (no " + std::string(format::kManifestName) +
+          (stock ? ", but a stock DCP .metadata" : " and no data/ directory") +
+          "); nothing was removed");
+    }
+  }
+  CAIRN_RETURN_IF_ERROR(UncommitCheckpoint(st, "").WithContext(where));
+  CAIRN_RETURN_IF_ERROR(st->DeleteDir("").WithContext(where));
+  // The storage keeps its (now empty) root: a local one is removed as well.
+  if (std::string local = st->LocalPath(); !local.empty()) {
+    storage.reset();
+    if (::rmdir(local.c_str()) != 0 && errno != ENOENT) {
+      return ErrnoToStatus(errno, where + ": rmdir " + local);
+    }
   }
   return Status::OK();
 }

@@ -137,20 +137,77 @@ Status VerifyData(Storage* storage, std::string_view dir, const Manifest& m, Thr
   return group.Wait().WithContext(where);
 }
 
+namespace {
+
+// Whether `dir` holds what stock dcp.save commits: ".metadata" (or rank 0's
+// "__0.metadata") starting like a pickle (stock::IsStockCheckpoint's test).
+bool HoldsStockMetadata(Storage* storage, std::string_view dir) {
+  for (const char* name : {".metadata", "__0.metadata"}) {
+    auto f = storage->NewReadableFile(internal::JoinDir(dir, name));
+    char first = 0;
+    if (f.ok() && (*f)->Size() > 0 && (*f)->ReadAt(0, &first, 1).ok() &&
+        static_cast<uint8_t>(first) == 0x80) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// What a directory without a manifest is, for Verify's error: a stock DCP
+// checkpoint, a root of checkpoints, or a partial checkpoint.
+Status NotACheckpointError(Storage* storage, std::string_view dir) {
+  const std::string where = Where(storage, dir);
+  if (HoldsStockMetadata(storage, dir)) {
+    return InvalidArgumentError(
+        where +
+        " is a checkpoint written by stock torch.distributed.checkpoint (it has "
+        ".metadata, no " +
+        std::string(format::kManifestName) +
+        "): cairn.Reader loads it (checking the CRC32 of every tensor record it reads), "
+        "but verify checks cairn checkpoints only, whose blocks carry checksums; to get "
+        "one, dcp.load it and dcp.save it with cairn.Writer");
+  }
+  auto list = ListCheckpoints(storage, dir);
+  if (list.ok()) {
+    std::vector<const CheckpointInfo*> held;
+    const CheckpointInfo* newest = nullptr;
+    for (const auto& c : *list) {
+      if (!c.committed && !c.step) continue;
+      held.push_back(&c);
+      if (c.committed) newest = &c;  // ListCheckpoints: newest last
+    }
+    if (!held.empty()) {
+      std::string names;
+      constexpr size_t kShown = 6;
+      size_t first = held.size() > kShown ? held.size() - kShown : 0;
+      if (first > 0) names = std::to_string(first) + " older, ";
+      for (size_t i = first; i < held.size(); ++i) {
+        names += (i > first ? ", " : "") + held[i]->name + (held[i]->committed ? "" : " (partial)");
+      }
+      std::string msg = where + " is a root of checkpoints, not a checkpoint: it holds " +
+                        std::to_string(held.size()) + " (" + names + "); ";
+      msg += newest != nullptr ? "verify one of them, e.g. the newest committed: " +
+                                     internal::JoinDir(where, newest->name)
+                               : "none of them is committed";
+      return InvalidArgumentError(msg);
+    }
+  }
+  return DataLossError("verifying " + where + ": no " + std::string(format::kManifestName) +
+                       ": the checkpoint is partial (never committed, or its manifest "
+                       "was deleted)");
+}
+
+}  // namespace
+
 Status Verify(Storage* storage, std::string_view dir, ThreadPool* pool,
               const ProgressFn& progress) {
   auto m = ReadManifest(storage, dir);
   if (!m.ok() && m.status().code() == StatusCode::kNotFound) {
     // A directory without a manifest is not an intact checkpoint: it never
-    // committed, or its manifest was deleted. Only a missing directory is
-    // "not found".
+    // committed, or its manifest was deleted; or it is no cairn checkpoint at
+    // all (a stock one, a root of them). Only a missing directory is "not found".
     auto exists = storage->Exists(dir);
-    if (exists.ok() && *exists) {
-      return DataLossError("verifying " + Where(storage, dir) + ": no " +
-                           std::string(format::kManifestName) +
-                           ": the checkpoint is partial (never committed, or its manifest "
-                           "was deleted)");
-    }
+    if (exists.ok() && *exists) return NotACheckpointError(storage, dir);
   }
   if (!m.ok()) return m.status();
   return VerifyData(storage, dir, *m, pool, progress);

@@ -1,6 +1,7 @@
 #include "cairn/thread_pool.h"
 
 #include <algorithm>
+#include <system_error>
 
 namespace cairn {
 
@@ -18,7 +19,17 @@ size_t DefaultThreadCount(PoolKind kind) {
 ThreadPool::ThreadPool(size_t num_threads) {
   if (num_threads == 0) num_threads = 1;
   threads_.reserve(num_threads);
-  for (size_t i = 0; i < num_threads; ++i) threads_.emplace_back([this] { Loop(); });
+  for (size_t i = 0; i < num_threads; ++i) {
+    try {
+      threads_.emplace_back([this] { Loop(); });
+    } catch (const std::system_error&) {
+      // The system refused another thread (EAGAIN: a task limit, no room for
+      // its stack). The pool works with the ones that started; with none it
+      // cannot work, and the error goes to the caller with nothing to join.
+      if (threads_.empty()) throw;
+      break;
+    }
+  }
 }
 
 ThreadPool::~ThreadPool() {

@@ -284,6 +284,11 @@ void RegisterCheckpoint(nb::module_& m) {
       "and with clear_data its old data files.");
 
   m.def(
+      "remove_checkpoint",
+      [](const std::string& uri) { WithoutGil([&] { return RemoveCheckpointUri(uri); }); },
+      nb::arg("uri"), "RemoveCheckpointUri (cairn/checkpoint.h): removes one checkpoint.");
+
+  m.def(
       "has_manifest",
       [](PyStorage& storage, const std::string& dir) {
         nb::gil_scoped_release release;

@@ -18,6 +18,7 @@
 #include "cairn/memory_tier.h"
 #include "cairn/tiers.h"
 #include "common.h"
+#include "staging/mapped_file.h"
 #include "without_gil.h"
 
 namespace nb = nanobind;
@@ -44,6 +45,16 @@ nb::object Reader(MemoryCheckpoint& c) {
 nb::object MemoryLimitBytes(nb::handle limit, const std::string& shm_root) {
   if (limit.is_none()) return nb::none();
   auto invalid = [](const std::string& msg) { RaiseStatus(InvalidArgumentError(msg)); };
+  // A slot file grows in steps of kGrowAlign, next to the tier's bookkeeping
+  // files (a few pages: owner records, lock, slot manifests): a limit below one
+  // step and that would refuse every save, so it is refused here, at construction.
+  constexpr uint64_t kGrow = ::cairn::internal::MappedShmFile::kGrowAlign + (uint64_t{256} << 10);
+  auto too_small = [&](const std::string& what) {
+    return "memory_limit " + what + " is below one step of the memory tier's growth (" +
+           HumanBytes(::cairn::internal::MappedShmFile::kGrowAlign) +
+           " per rank's slot, plus 256 KiB for its bookkeeping): every save would fail; raise " +
+           "it, or pass memory=False";
+  };
   if (PyBool_Check(limit.ptr()) || !(PyLong_Check(limit.ptr()) || PyFloat_Check(limit.ptr()))) {
     invalid("memory_limit must be bytes (int) or a fraction of /dev/shm (float), got " +
             std::string(nb::repr(limit).c_str()));
@@ -54,6 +65,7 @@ nb::object MemoryLimitBytes(nb::handle limit, const std::string& shm_root) {
     long long v = PyLong_AsLongLongAndOverflow(limit.ptr(), &overflow);
     if (overflow < 0 || (overflow == 0 && v <= 0))
       invalid("memory_limit must be > 0 bytes, got " + str);
+    if (overflow == 0 && static_cast<uint64_t>(v) < kGrow) invalid(too_small(str));
     return nb::int_(overflow > 0 ? LLONG_MAX : v);
   }
   double f = PyFloat_AsDouble(limit.ptr());
@@ -61,7 +73,12 @@ nb::object MemoryLimitBytes(nb::handle limit, const std::string& shm_root) {
     invalid("memory_limit as a fraction of /dev/shm must be in (0, 1], got " + str);
   }
   SharedMemoryRoom room = ValueOrThrow(GetSharedMemoryRoom(shm_root));
-  return nb::int_(static_cast<long long>(f * static_cast<double>(room.total)));
+  auto bytes = static_cast<long long>(f * static_cast<double>(room.total));
+  if (static_cast<uint64_t>(bytes) < kGrow) {
+    invalid(too_small(str + " of " + shm_root + " (" + HumanBytes(room.total) +
+                      ") = " + std::to_string(bytes) + " bytes"));
+  }
+  return nb::int_(bytes);
 }
 
 bool IsInt(nb::handle v) { return PyLong_Check(v.ptr()) && !PyBool_Check(v.ptr()); }

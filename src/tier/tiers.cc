@@ -163,6 +163,13 @@ std::string ReadRunIdOf(Storage* storage) {
   return b == std::string::npos ? std::string() : buf.substr(b, e - b + 1);
 }
 
+// "root=URI (the durable tier)" / "local=URI (the local tier)": the argument a
+// tier came from, for errors about it (an unwritable directory, a missing bucket).
+std::string TierArgument(TierKind tier, const std::string& uri) {
+  return tier == TierKind::kLocal ? "local=" + uri + " (the local tier)"
+                                  : "root=" + uri + " (the durable tier)";
+}
+
 // The kept storage of a tier named by a (normalized) URI: a local directory
 // follows its root by path; anything else (s3) is opened once.
 Result<std::shared_ptr<Storage>> OpenTierStorage(const std::string& uri) {
@@ -323,12 +330,17 @@ Result<std::unique_ptr<TierSet>> TierSet::Open(TierSetOptions opts) {
                                   ": every tier needs a directory of its own");
     }
   }
-  // Opened once, after the checks (nothing is created).
+  // Opened once, after the checks (nothing is created). Errors name the
+  // argument the tier came from.
   if (!t->durable_) {
-    CAIRN_ASSIGN_OR_RETURN(t->durable_, OpenTierStorage(t->root_));
+    auto st = OpenTierStorage(t->root_);
+    if (!st.ok()) return st.status().WithContext(TierArgument(TierKind::kDurable, t->root_));
+    t->durable_ = std::move(*st);
   }
   if (!t->local_storage_ && !t->local_.empty()) {
-    CAIRN_ASSIGN_OR_RETURN(t->local_storage_, OpenTierStorage(t->local_));
+    auto st = OpenTierStorage(t->local_);
+    if (!st.ok()) return st.status().WithContext(TierArgument(TierKind::kLocal, t->local_));
+    t->local_storage_ = std::move(*st);
   }
   CAIRN_ASSIGN_OR_RETURN(std::unique_ptr<Storage> memory,
                          internal::NewShmStorage(t->shm_name_, /*create=*/false,
@@ -384,7 +396,10 @@ Result<std::shared_ptr<Storage>> TierSet::TierStorage(TierKind tier) const {
 Status TierSet::CreateTiers() {
   for (TierKind tier : SlowerTiers()) {
     CAIRN_ASSIGN_OR_RETURN(auto storage, TierStorage(tier));
-    CAIRN_RETURN_IF_ERROR(storage->CreateDir(""));
+    Status s = storage->CreateDir("");
+    if (!s.ok()) {
+      return s.WithContext(TierArgument(tier, tier == TierKind::kLocal ? local_ : root_));
+    }
   }
   return Status::OK();
 }
@@ -394,10 +409,13 @@ Result<std::string> TierSet::ReadOrCreateRunId() {
   std::string id = ReadRunIdOf(storage.get());
   if (!id.empty()) return id;
   id = RandomRunId();
-  CAIRN_ASSIGN_OR_RETURN(auto f, storage->NewWritableFile(kRunIdFile));
-  CAIRN_RETURN_IF_ERROR(f->WriteAt(0, id.data(), id.size()));
-  CAIRN_RETURN_IF_ERROR(f->Sync());
-  CAIRN_RETURN_IF_ERROR(f->Close());
+  Status s = [&]() -> Status {
+    CAIRN_ASSIGN_OR_RETURN(auto f, storage->NewWritableFile(kRunIdFile));
+    CAIRN_RETURN_IF_ERROR(f->WriteAt(0, id.data(), id.size()));
+    CAIRN_RETURN_IF_ERROR(f->Sync());
+    return f->Close();
+  }();
+  if (!s.ok()) return s.WithContext(TierArgument(TierKind::kDurable, root_));
   return id;
 }
 

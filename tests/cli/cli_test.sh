@@ -34,6 +34,9 @@ set -e
 [ $rc -eq 1 ] || fail "verify of a corrupt checkpoint exited $rc"
 echo "$err" | grep -q "data/r0.bin: checksum mismatch in block 0 of tensor 'model.weight'" ||
   fail "verify message: $err"
+# The progress line ("\rverifying  42.0% ...") is ended before the error is printed.
+echo "$err" | grep -q "verifying" || fail "verify printed no progress: $err"
+echo "$err" | grep "cairn: " | grep -qv "^cairn: " && fail "error on the progress line: $err"
 
 # A corrupt source is not copied (and the destination stays uncommitted).
 set +e

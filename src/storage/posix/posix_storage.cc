@@ -324,7 +324,17 @@ class PosixReadableFile final : public ReadableFile {
 Result<UniqueFd> OpenRootDir(const std::string& root) {
   UniqueFd fd(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0) {
-    if (errno == ENOTDIR) return NotFoundError(root + ": not a directory");
+    if (errno == ENOTDIR) {
+      // A file (or a FIFO, ...) where a directory belongs is not a missing one.
+      struct stat st;
+      if (::stat(root.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) {
+        return Status(StatusCode::kNotFound,
+                      root + ": is a " + (S_ISREG(st.st_mode) ? "file" : "special file") +
+                          ", not a directory",
+                      ENOTDIR);
+      }
+      return Status(StatusCode::kNotFound, root + ": not a directory", ENOTDIR);
+    }
     return ErrnoToStatus(errno, "open directory " + root);
   }
   return fd;
