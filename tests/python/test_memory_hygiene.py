@@ -184,9 +184,14 @@ def test_memory_limit_refuses_a_save_that_would_exceed_it_and_keeps_the_last_one
 
 def test_memory_limit_as_a_fraction_of_dev_shm(tmp_path):
     total = _ext.shared_memory_room("/dev/shm")["total"]
-    with cairn.CheckpointManager(tmp_path / "run", memory_limit=(1 << 20) / total) as mgr:
+    # Below one 2 MiB slot step every save would fail: refused at construction.
+    with pytest.raises(cairn.InvalidArgumentError, match="memory_limit .* below one step"):
+        cairn.CheckpointManager(tmp_path / "run", memory_limit=(1 << 20) / total)
+    with cairn.CheckpointManager(tmp_path / "run", memory_limit=(3 << 20) / total) as mgr:
+        mgr.save(1, {"w": torch.ones(1000)})  # one 2 MiB step fits in 3 MiB
+        mgr.wait()
         with pytest.raises(ResourceExhaustedError, match="memory_limit"):
-            mgr.save(1, {"w": torch.ones(1000)})  # even a 2 MiB slot step exceeds 1 MiB
+            mgr.save(2, {"w": torch.ones(2 << 20)})  # 8 MiB does not
 
 
 @pytest.mark.parametrize("bad", [0, -5, 1.5, 0.0, "1G", True])
