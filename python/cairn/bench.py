@@ -1,7 +1,9 @@
 """Quick checkpoint benchmark of your own storage: floors, save, load, stall.
 
     python -m cairn.bench PATH [--size-gb 0.5] [--reps 3] [--json]
-    cairn bench PATH ...          (the C++ CLI runs this module with the venv's Python)
+    cairn bench PATH ...          (the C++ CLI runs this module with the first Python that can
+                                  import cairn: $CAIRN_PYTHON, the venv's, the one it was built
+                                  for, PATH's; tools/cairn_cli.cc)
 
 A short version of ``bench/checkpoint.py`` (the same measuring code,
 ``cairn._measure``) that runs on PATH, where your checkpoints would go (a

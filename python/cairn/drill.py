@@ -1,7 +1,9 @@
 """Restore drill: load the newest committed checkpoint in fresh processes, verify it.
 
     python -m cairn.drill ROOT [--world-size N] [--tier memory|local|durable] [--local DIR]
-    cairn drill ROOT ...          (the C++ CLI runs this module with the venv's Python)
+    cairn drill ROOT ...          (the C++ CLI runs this module with the first Python that can
+                                  import cairn: $CAIRN_PYTHON, the venv's, the one it was built
+                                  for, PATH's; tools/cairn_cli.cc)
 
 A drill answers "could this run restart from what it has saved?" without the
 training script: it picks the checkpoint a restart would load, starts
