@@ -27,8 +27,8 @@
 //      CAIRN_BUILD_PYTHON), so build/cairn works with the venv inactive;
 //   5. `python3` on PATH.
 // Each candidate is asked (a quick `-c`, importing nothing) whether it finds the
-// `cairn` package; the error lists every candidate and why it was passed over.
-// Their arguments are passed through unchanged.
+// `cairn` and `torch` packages; the error lists every candidate and why it was
+// passed over. Their arguments are passed through unchanged.
 //
 // PATH/ROOT are directories, file://DIR, shm://NAME or s3://BUCKET/PREFIX. Exit codes: 0 ok,
 // 1 corruption or failure, 2 usage or not found.
@@ -238,8 +238,8 @@ int CmdRm(const std::vector<std::string>& paths) {
   return 0;
 }
 
-// Whether `python` runs and finds the cairn package (without importing it, so
-// torch is not loaded): "" when it does, else why not.
+// Whether `python` runs and finds the cairn and torch packages (importing
+// neither, so it is quick): "" when it does, else why not.
 std::string ProbePython(const std::string& python) {
   if (python.find('/') != std::string::npos && access(python.c_str(), X_OK) != 0) {
     return std::strerror(errno);
