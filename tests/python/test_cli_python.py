@@ -168,3 +168,13 @@ def test_an_exception_in_the_cli_is_an_error_not_an_abort(tmp_path):
               f"{tmp_path}/step_1"], _env())
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert "terminate called" not in r.stderr and r.stderr.startswith("cairn: error: "), r.stderr
+
+
+def test_a_pool_the_system_starts_only_part_of_still_works(tmp_path):
+    # 64 MiB stacks in a 600 MB address space: a few of the pool's threads start,
+    # the others are refused; the pool works with those that started.
+    _save(tmp_path / "step_1")
+    r = _run(["bash", "-c", f"ulimit -s 65536; ulimit -v 600000; exec {CLI} -j 64 verify "
+              f"{tmp_path}/step_1"], _env())
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert r.stdout.startswith("OK: "), r.stdout
