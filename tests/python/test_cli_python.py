@@ -138,7 +138,7 @@ def test_a_partial_checkpoint_is_still_data_loss(tmp_path):
 
 
 def test_rm_frees_an_shm_checkpoint(tmp_path):
-    name = f"cairn-readme-test-{uuid.uuid4().hex[:8]}"
+    name = f"cairn-rm-test-{uuid.uuid4().hex[:8]}"
     try:
         _save(f"shm://{name}")
         assert Path("/dev/shm", name, "cairn.manifest").exists()
