@@ -360,3 +360,25 @@ def test_https_with_a_private_ca_and_a_wrong_one_refused(aws, monkeypatch):
         monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp / "missing.pem"))
         with pytest.raises(cairn.errors.InvalidArgumentError, match="CA bundle"):
             cairn.latest_valid(root)
+
+
+def test_virtual_hosted_addressing_when_configured(aws, monkeypatch):
+    """s3.addressing_style = virtual against a custom endpoint: requests go to
+    BUCKET.localhost:PORT (curl resolves *.localhost to loopback), through a
+    proxy that records each Host and path, to moto, which reads the bucket
+    from the Host header and checks the signatures (Host is signed)."""
+    srv, root, tmp = aws
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", srv.key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", srv.secret)
+    (tmp / "config").write_text("[default]\ns3 =\n  addressing_style = virtual\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp / "config"))
+    log = tmp / "proxy.log"
+    with _Proc("proxy", "--upstream", srv.endpoint, "--log", str(log)) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://localhost:{proxy.port}")
+        _roundtrip(root + "/step_1")
+    reqs = [r for r in _records(log) if "used" in r]
+    assert reqs and all(r["host"] == f"{srv.bucket}.localhost:{proxy.port}" for r in reqs), reqs[:3]
+    assert not any(r["path"].startswith(f"/{srv.bucket}") for r in reqs), reqs[:3]
+    # A bucket name that cannot be a host label is refused, not mangled.
+    with pytest.raises(cairn.errors.InvalidArgumentError, match="DNS-compatible"):
+        cairn.latest_valid("s3://Not_A_Host/x")

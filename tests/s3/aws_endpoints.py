@@ -23,7 +23,7 @@ JSON line {key, expiration} (epoch seconds), and each request as {req: ...}.
 SigV4 signatures still verify at moto) to URL; with --cert it speaks TLS;
 with --expiry-log it answers 400 ExpiredToken to a request signed with a key
 whose logged expiration has passed, as S3 does; with --log it appends
-{used: key, at: time} for every signed request; --delay holds each request
+{used: key, at: time, host, path} for every signed request; --delay holds each request
 that long (a slow link, so that one save spans several credential lifetimes).
 
 Both print their port on stdout once listening.
@@ -171,7 +171,8 @@ def proxy(args):
                 self.wfile.write(data)
                 return
             if m:
-                log.write(used=m.group(1), at=time.time())
+                log.write(used=m.group(1), at=time.time(), host=self.headers.get("Host", ""),
+                          path=self.path)
             if args.delay:
                 time.sleep(args.delay)
             conn = http.client.HTTPConnection(up.hostname, up.port, timeout=120)
