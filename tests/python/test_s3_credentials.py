@@ -165,7 +165,8 @@ def test_web_identity_assumes_the_role_through_sts(aws, monkeypatch):
     # A token the identity provider did not issue: STS refuses, cairn says so
     # without quoting the token.
     bad = "eyJ" + secrets.token_urlsafe(40)
-    token_file.write_text(bad)
+    (tmp / "token-bad").write_text(bad)
+    monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(tmp / "token-bad"))
     with pytest.raises(cairn.errors.PermissionDeniedError) as e:
         cairn.latest_valid(root)
     assert "InvalidIdentityToken" in str(e.value) and bad not in str(e.value)
@@ -230,7 +231,8 @@ def test_container_endpoint_with_an_authorization_token_file(aws, monkeypatch):
         monkeypatch.setenv("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", str(tmp / "auth"))
         _roundtrip(root + "/step_1")
         assert any("key" in r for r in _records(log))
-        (tmp / "auth").write_text("wrong-" + token)
+        (tmp / "auth-wrong").write_text("wrong-" + token)
+        monkeypatch.setenv("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", str(tmp / "auth-wrong"))
         with pytest.raises(cairn.errors.PermissionDeniedError) as e:
             cairn.latest_valid(root)
         assert "HTTP 401" in str(e.value) and token not in str(e.value)
@@ -243,13 +245,19 @@ def test_instance_metadata_v2_uses_its_session_token(aws, monkeypatch):
         monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "false")
         monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{md.port}/")
         _roundtrip(root + "/step_1")
+        # Every storage opened since (the save's, the load's, this one) shared
+        # the first credentials: one role lookup for all of them.
+        assert cairn.latest_valid(root) == root + "/step_1"
     reqs = [r for r in _records(log) if "req" in r]
+    role_gets = [r for r in reqs if r["req"].endswith(ROLE_NAME)]
+    assert len(role_gets) == 1, reqs
     assert reqs[0]["req"] == "PUT /latest/api/token", reqs
     gets = [r for r in reqs if r["req"].startswith("GET")]
     assert gets and all(r["token"] for r in gets), reqs
     assert f"GET /latest/meta-data/iam/security-credentials/{ROLE_NAME}" in [r["req"] for r in gets]
     # Nothing answering at the endpoint: no credentials anywhere, and the
     # error lists what was tried.
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{md.port}/x")
     with pytest.raises(cairn.errors.PreconditionError) as e:
         cairn.latest_valid(root)
     for source in ("environment", "web identity", "profile", "container", "instance metadata"):

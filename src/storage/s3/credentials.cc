@@ -25,6 +25,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -33,6 +34,7 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
+#include <deque>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <pugixml.hpp>
@@ -905,6 +907,65 @@ Result<Credentials> RefreshingCredentials::Current() {
   return PermissionDeniedError("the AWS credentials from " +
                                (current_ ? current_->source : std::string("the chain")) +
                                " have expired and the refresh returned expired ones");
+}
+
+// ---- sharing ----------------------------------------------------------------------------
+
+std::string ProcessCredentialFingerprint(const std::string& extra) {
+  std::vector<std::string> vars;
+  for (char** e = environ; e && *e; ++e) {
+    std::string_view kv(*e);
+    if (kv.rfind("AWS_", 0) == 0 || kv.rfind("CAIRN_S3_", 0) == 0) vars.emplace_back(kv);
+  }
+  std::sort(vars.begin(), vars.end());
+  std::string all = extra;
+  for (const auto& v : vars) all += '\0' + v;
+  const char* home = std::getenv("HOME");
+  auto file = [&](const char* var, const char* dflt) {
+    const char* p = std::getenv(var);
+    std::string path = p && *p ? p : (home ? std::string(home) + dflt : std::string());
+    struct stat st {};
+    all += '\0' + path;
+    if (!path.empty() && ::stat(path.c_str(), &st) == 0) {
+      all += ':' + std::to_string(st.st_size) + ':' + std::to_string(st.st_mtim.tv_sec) + '.' +
+             std::to_string(st.st_mtim.tv_nsec) + ':' + std::to_string(st.st_ino);
+    }
+  };
+  file("AWS_CONFIG_FILE", "/.aws/config");
+  file("AWS_SHARED_CREDENTIALS_FILE", "/.aws/credentials");
+  return Sha256Hex(all.data(), all.size());
+}
+
+Result<std::shared_ptr<RefreshingCredentials>> SharedCredentials(
+    const std::string& fingerprint,
+    const std::function<std::shared_ptr<RefreshingCredentials>()>& make) {
+  // Never destroyed: a background refresh may still run at exit.
+  static auto* mu = new std::mutex;
+  static auto* cache =
+      new std::deque<std::pair<std::string, std::shared_ptr<RefreshingCredentials>>>;
+  constexpr size_t kMaxEntries = 16;
+  std::shared_ptr<RefreshingCredentials> found;
+  {
+    std::lock_guard<std::mutex> l(*mu);
+    for (auto& [k, v] : *cache) {
+      if (k == fingerprint) found = v;
+    }
+  }
+  if (found && found->Current().ok()) return found;
+  // New (or broken): load outside the lock, so one slow source does not hold
+  // up storages of other configurations.
+  std::shared_ptr<RefreshingCredentials> fresh = make();
+  CAIRN_RETURN_IF_ERROR(fresh->Prime());
+  std::lock_guard<std::mutex> l(*mu);
+  for (auto it = cache->begin(); it != cache->end(); ++it) {
+    if (it->first == fingerprint) {
+      cache->erase(it);
+      break;
+    }
+  }
+  cache->emplace_back(fingerprint, fresh);
+  if (cache->size() > kMaxEntries) cache->pop_front();
+  return fresh;
 }
 
 }  // namespace cairn::s3

@@ -38,6 +38,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -168,5 +169,22 @@ class RefreshingCredentials final : public CredentialSource {
   WallClock::time_point next_background_{};
   std::thread background_;
 };
+
+// The credentials of one configuration, shared by every storage opened with
+// it in this process, so that opening many storages (every save, load and
+// listing opens one) asks STS or the metadata service once, not per open.
+// The configuration is `fingerprint` (see ProcessCredentialFingerprint); a
+// new entry is made with `make` and kept only once its first load succeeded;
+// an entry whose credentials can no longer be had is replaced. At most 16
+// entries, the oldest dropped. Thread-safe.
+Result<std::shared_ptr<RefreshingCredentials>> SharedCredentials(
+    const std::string& fingerprint,
+    const std::function<std::shared_ptr<RefreshingCredentials>()>& make);
+
+// SHA-256 over everything the chain reads: every AWS_* and CAIRN_S3_*
+// variable of the process (values included: changed keys are a new
+// configuration), the config and credentials files' paths, sizes and
+// modification times, and `extra` (region, CA bundle).
+std::string ProcessCredentialFingerprint(const std::string& extra);
 
 }  // namespace cairn::s3

@@ -1054,18 +1054,23 @@ Result<std::unique_ptr<Storage>> NewS3Storage(std::string_view uri, const S3Opti
   s3::EnvLookup env = s3::ProcessEnv();
   auto config = s3::AwsConfig::Load(env);
   if (!config.ok()) return config.status().WithContext(what);
-  auto ctx = std::make_shared<s3::ProviderContext>(
-      s3::ProviderContext{env, std::move(*config), opts.region,
-                          std::make_shared<s3::HttpClient>(s3::HttpOptions{opts.ca_bundle})});
-  auto creds = std::make_shared<s3::RefreshingCredentials>(s3::DefaultProviderChain(ctx),
-                                                           s3::RefreshWindowsFromEnv(env));
-  if (Status st = creds->Prime(); !st.ok()) {
+  auto make = [&]() {
+    auto ctx = std::make_shared<s3::ProviderContext>(
+        s3::ProviderContext{env, *config, opts.region,
+                            std::make_shared<s3::HttpClient>(s3::HttpOptions{opts.ca_bundle})});
+    return std::make_shared<s3::RefreshingCredentials>(s3::DefaultProviderChain(ctx),
+                                                       s3::RefreshWindowsFromEnv(env));
+  };
+  auto creds = s3::SharedCredentials(
+      s3::ProcessCredentialFingerprint(opts.region + '\0' + opts.ca_bundle), make);
+  if (!creds.ok()) {
+    Status st = creds.status();
     // A missing profile, token file or role is a configuration error, not
     // an absent checkpoint (callers treat kNotFound as "nothing there yet").
     if (st.code() == StatusCode::kNotFound) st = FailedPreconditionError(st.message());
     return st.WithContext(what + ": AWS credentials");
   }
-  auto s = std::make_unique<S3Storage>(opts, std::move(creds), std::move(*addr), bucket,
+  auto s = std::make_unique<S3Storage>(opts, std::move(*creds), std::move(*addr), bucket,
                                        std::string(prefix));
   auto any = s->AnyBelow(s->DirPrefix(""));
   if (!any.ok()) return any.status().WithContext("opening " + s->Describe());
