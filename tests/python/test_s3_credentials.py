@@ -124,10 +124,10 @@ class _Proc:
         self.stop()
 
 
-def _metadata(srv, log, ttl=3600, auth_token=""):
+def _metadata(srv, log, ttl=3600, auth_token="", hostile=""):
     return _Proc("metadata", "--moto", srv.endpoint, "--key", srv.admin_key, "--secret",
                  srv.admin_secret, "--role-arn", ROLE_ARN, "--ttl", str(ttl), "--auth-token",
-                 auth_token, "--log", str(log))
+                 auth_token, "--log", str(log), "--hostile", hostile)
 
 
 def _records(path):
@@ -262,6 +262,36 @@ def test_instance_metadata_v2_uses_its_session_token(aws, monkeypatch):
         cairn.latest_valid(root)
     for source in ("environment", "web identity", "profile", "container", "instance metadata"):
         assert source in str(e.value)
+
+
+def test_instance_metadata_v1_fallback_unless_disabled(aws, monkeypatch):
+    srv, root, tmp = aws
+    log = tmp / "metadata.log"
+    with _metadata(srv, log, hostile="v1") as md:
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "false")
+        monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{md.port}")
+        assert cairn.latest_valid(root) is None  # signed with the IMDSv1 credentials
+        assert any("key" in r for r in _records(log))
+        monkeypatch.setenv("AWS_EC2_METADATA_V1_DISABLED", "true")
+        with pytest.raises(cairn.errors.StorageError, match="HTTP 405"):
+            cairn.latest_valid(root)
+
+
+@pytest.mark.parametrize("hostile,message", [
+    ("huge", "larger than 64 KiB"),
+    ("garbage", "not a JSON object"),
+    ("badrole", "malformed role name"),
+])
+def test_a_misbehaving_metadata_service_is_a_clear_error(aws, monkeypatch, hostile, message):
+    srv, root, tmp = aws
+    with _metadata(srv, tmp / "metadata.log", hostile=hostile) as md:
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "false")
+        monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{md.port}")
+        t0 = time.monotonic()
+        with pytest.raises(cairn.errors.UnavailableError, match=message) as e:
+            cairn.latest_valid(root)
+        assert time.monotonic() - t0 < 5
+        assert "SECRETISH" not in str(e.value) and len(str(e.value)) < 600, str(e.value)
 
 
 def test_a_save_spanning_credential_refreshes_succeeds(aws, monkeypatch):

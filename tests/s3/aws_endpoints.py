@@ -17,6 +17,10 @@ Every set of credentials is real: a fresh STS AssumeRole of ARN at moto, so
 moto's S3 (auth on) accepts only those. Their Expiration is --ttl seconds
 ahead (short, to exercise refresh). Each issuance is appended to --log as a
 JSON line {key, expiration} (epoch seconds), and each request as {req: ...}.
+``--hostile huge|garbage|badrole`` makes IMDS misbehave instead: a 2 MiB
+credentials answer, one that is not JSON, a role name that is a path;
+``--hostile v1`` is an IMDSv1-only service (405 to the token PUT, no token
+needed).
 
 ``aws_endpoints.py proxy --upstream URL [--cert PEM --keyfile PEM]
 [--expiry-log FILE] [--log FILE] [--delay S]`` forwards every request unchanged (Host included, so
@@ -98,6 +102,8 @@ def metadata(args):
             log.write(req=f"PUT {self.path}")
             if self.path != "/latest/api/token":
                 return self.reply(404, "not found")
+            if args.hostile == "v1":  # a metadata service without IMDSv2
+                return self.reply(405, "method not allowed")
             ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds", "")
             if not ttl.isdigit() or not 1 <= int(ttl) <= 21600:
                 return self.reply(400, "bad ttl")
@@ -114,13 +120,19 @@ def metadata(args):
                 tok = self.headers.get("X-aws-ec2-metadata-token")
                 with lock:
                     ok = tok is not None and tokens.get(tok, 0) > time.time()
+                ok = ok or (args.hostile == "v1" and tok is None)
                 if not ok:
                     return self.reply(401, "")
                 rest = self.path[len(base):]
                 if rest == "":
-                    return self.reply(200, role)
+                    return self.reply(200, "../../../evil\n" if args.hostile == "badrole" else role)
                 if rest != role:
                     return self.reply(404, "not found")
+                if args.hostile == "huge":
+                    return self.reply(200, '{"AccessKeyId": "' + "A" * (2 << 20) + '"}',
+                                      "application/json")
+                if args.hostile == "garbage":
+                    return self.reply(200, "<html>SECRETISH not json</html>", "text/html")
                 c = issue()
                 c.update(Code="Success", Type="AWS-HMAC", LastUpdated=iso(time.time()))
                 return self.reply(200, json.dumps(c), "application/json")
@@ -213,6 +225,7 @@ def main():
     m.add_argument("--ttl", type=int, default=3600)
     m.add_argument("--auth-token", default="")
     m.add_argument("--log", default="")
+    m.add_argument("--hostile", default="", choices=["", "huge", "garbage", "badrole", "v1"])
     p = sub.add_parser("proxy")
     p.add_argument("--upstream", required=True)
     p.add_argument("--cert", default="")
