@@ -2,14 +2,20 @@
 // ("s3://BUCKET/PREFIX"), for AWS S3 and any S3-compatible store (MinIO,
 // moto, Ceph RGW, ...).
 //
-// Configuration comes from the environment, as with the AWS tools:
-//   credentials  AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN,
-//                else the [AWS_PROFILE or "default"] section of
-//                AWS_SHARED_CREDENTIALS_FILE or ~/.aws/credentials
-//   region       AWS_REGION, else AWS_DEFAULT_REGION, else us-east-1
-//   endpoint     AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL; when one is set,
-//                requests use path-style addressing (ENDPOINT/BUCKET/KEY),
-//                otherwise https://BUCKET.s3.REGION.amazonaws.com/KEY
+// Configuration comes from the environment and the AWS config files, as
+// with the AWS tools (docs/storage.md has the whole story):
+//   credentials  the AWS provider chain: environment, web identity (IRSA),
+//                the profile (static keys, role_arn, credential_process),
+//                container (ECS, EKS Pod Identity), EC2 instance metadata;
+//                temporary credentials are refreshed before they expire
+//   region       AWS_REGION, AWS_DEFAULT_REGION, the profile's region,
+//                else us-east-1
+//   endpoint     AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile's
+//                services s3 endpoint_url or endpoint_url; with one,
+//                requests use path-style addressing (ENDPOINT/BUCKET/KEY)
+//                unless s3.addressing_style = virtual; otherwise
+//                https://BUCKET.s3.REGION.amazonaws.com/KEY
+//   TLS          AWS_CA_BUNDLE or the profile's ca_bundle
 // and cairn's own tuning knobs (CAIRN_S3_*, see S3Options).
 // Credentials never appear in Describe(), in error messages or in logs.
 //
@@ -50,6 +56,15 @@ namespace cairn {
 struct S3Options {
   std::string endpoint;  // "" = AWS (virtual-hosted); else e.g. "http://127.0.0.1:9000"
   std::string region = "us-east-1";
+  // "auto": virtual-hosted (https://BUCKET.s3.REGION.amazonaws.com) on AWS
+  // when the bucket name allows it, else path style; "path"; "virtual"
+  // (also for a custom endpoint: scheme://BUCKET.HOST). The profile's
+  // s3.addressing_style.
+  std::string addressing_style = "auto";
+  // PEM file (or hashed directory) of the CAs trusted for https; "" = the
+  // system's. AWS_CA_BUNDLE, else the profile's ca_bundle. TLS peer and host
+  // verification are always on.
+  std::string ca_bundle;
   // Part size of multipart uploads (>= 5 MiB, S3's minimum) and the size of
   // each ranged GET when a large read is split. CAIRN_S3_PART_SIZE.
   uint64_t part_size = uint64_t{8} << 20;

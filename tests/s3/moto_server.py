@@ -36,12 +36,14 @@ def free_port():
 
 
 class MotoServer:
-    def __init__(self, auth=False, bucket=BUCKET, ranged_gets=False):
+    def __init__(self, auth=False, bucket=BUCKET, ranged_gets=False, script=None):
         self.auth = auth
         # Serve ranged GETs by reading only the range (moto_ranged.py), as
         # real S3 servers do; stock moto reads the whole object every time.
         self.ranged_gets = ranged_gets
         self.bucket = bucket
+        # Another wrapper of moto.server (e.g. moto_sts.py), run the same way.
+        self.script = script
         self.proc = None
         self.port = None
         self.key_id = "AKIAIOSFODNN7EXAMPLE"
@@ -55,9 +57,9 @@ class MotoServer:
         self.port = free_port()
         env = dict(os.environ)
         env.pop("INITIAL_NO_AUTH_ACTION_COUNT", None)
-        server = ([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                "moto_ranged.py")]
-                  if self.ranged_gets else [sys.executable, "-m", "moto.server"])
+        script = self.script or ("moto_ranged.py" if self.ranged_gets else None)
+        server = ([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), script)]
+                  if script else [sys.executable, "-m", "moto.server"])
         self.proc = subprocess.Popen(
             server + ["-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,

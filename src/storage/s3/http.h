@@ -48,11 +48,21 @@ struct HttpResponse {
   std::string body;
   size_t dest_written = 0;
   bool dest_overflow = false;
+  // The peer's TLS certificate failed verification (retrying cannot help).
+  bool tls_unverified = false;
+};
+
+// TLS settings of one client. Peer and host verification are always on.
+struct HttpOptions {
+  // A PEM file of CA certificates to trust instead of the system's
+  // (AWS_CA_BUNDLE or a profile's ca_bundle); a directory is used as a
+  // hashed CA directory (CURLOPT_CAPATH). "" = the system's store.
+  std::string ca_bundle;
 };
 
 class HttpClient {
  public:
-  HttpClient();
+  explicit HttpClient(HttpOptions opts = {});
   ~HttpClient();
   HttpClient(const HttpClient&) = delete;
   HttpClient& operator=(const HttpClient&) = delete;
@@ -65,6 +75,8 @@ class HttpClient {
   void Return(void* handle);
 
   struct Share;
+  const HttpOptions opts_;
+  bool ca_is_dir_ = false;
   std::unique_ptr<Share> share_;
   std::mutex mu_;
   std::vector<void*> idle_;

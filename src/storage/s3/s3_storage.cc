@@ -28,12 +28,14 @@
 //   4. Any failure, Abort() or destruction without Close() aborts the
 //      upload, so a failed save leaves no object and no stored parts; parts
 //      of a killed process are removed by AbortStaleUploads (cairn prune).
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -43,6 +45,8 @@
 
 #include "cairn/s3.h"
 #include "cairn/thread_pool.h"
+#include "storage/s3/aws_config.h"
+#include "storage/s3/credentials.h"
 #include "storage/s3/http.h"
 #include "storage/s3/sigv4.h"
 
@@ -84,6 +88,10 @@ std::optional<S3Error> ParseError(const std::string& body) {
 Status S3Status(const HttpResponse& r, const std::string& what) {
   if (r.curl_code != 0) {
     if (r.dest_overflow) return UnavailableError(what + ": response longer than requested");
+    if (r.tls_unverified) {  // retrying cannot help
+      return FailedPreconditionError(what + ": TLS certificate not trusted (" + r.curl_error +
+                                     "; AWS_CA_BUNDLE names the CA of a private endpoint)");
+    }
     return UnavailableError(what + ": " + (r.timed_out ? "timed out" : "request failed") + " (" +
                             r.curl_error + ")");
   }
@@ -152,48 +160,6 @@ std::string XmlEscape(std::string_view s) {
   return out;
 }
 
-// ---- configuration -------------------------------------------------------------
-
-// Reads `[profile]` of an AWS credentials file.
-s3::Credentials CredentialsFromFile(const std::string& path, const std::string& profile) {
-  s3::Credentials c;
-  std::ifstream in(path);
-  std::string line, section;
-  auto trim = [](std::string s) {
-    size_t b = s.find_first_not_of(" \t\r");
-    size_t e = s.find_last_not_of(" \t\r");
-    return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
-  };
-  while (std::getline(in, line)) {
-    line = trim(line);
-    if (line.empty() || line[0] == '#' || line[0] == ';') continue;
-    if (line.front() == '[' && line.back() == ']') {
-      section = trim(line.substr(1, line.size() - 2));
-      if (section.rfind("profile ", 0) == 0) section = trim(section.substr(8));
-      continue;
-    }
-    if (section != profile) continue;
-    size_t eq = line.find('=');
-    if (eq == std::string::npos) continue;
-    std::string k = trim(line.substr(0, eq)), v = trim(line.substr(eq + 1));
-    if (k == "aws_access_key_id") c.access_key_id = v;
-    if (k == "aws_secret_access_key") c.secret_access_key = v;
-    if (k == "aws_session_token") c.session_token = v;
-  }
-  return c;
-}
-
-s3::Credentials CredentialsFromEnvironment() {
-  s3::Credentials c{Env("AWS_ACCESS_KEY_ID"), Env("AWS_SECRET_ACCESS_KEY"),
-                    Env("AWS_SESSION_TOKEN")};
-  if (!c.access_key_id.empty() && !c.secret_access_key.empty()) return c;
-  std::string file = Env("AWS_SHARED_CREDENTIALS_FILE");
-  if (file.empty() && !Env("HOME").empty()) file = Env("HOME") + "/.aws/credentials";
-  std::string profile = Env("AWS_PROFILE");
-  if (profile.empty()) profile = "default";
-  return file.empty() ? s3::Credentials{} : CredentialsFromFile(file, profile);
-}
-
 // ---- the storage ---------------------------------------------------------------
 
 struct Call {
@@ -228,33 +194,19 @@ struct ListPage {
 
 class S3Storage final : public Storage {
  public:
-  S3Storage(S3Options opts, s3::Credentials creds, std::string bucket, std::string prefix)
+  // `addr` from s3::ResolveS3Address; `creds` is asked before every attempt.
+  S3Storage(S3Options opts, std::shared_ptr<s3::CredentialSource> creds, s3::S3Address addr,
+            std::string bucket, std::string prefix)
       : opts_(std::move(opts)),
         creds_(std::move(creds)),
         bucket_(std::move(bucket)),
         prefix_(std::move(prefix)),
-        pool_(static_cast<size_t>(std::max(1, opts_.concurrency))) {
-    std::string ep = opts_.endpoint;
-    while (!ep.empty() && ep.back() == '/') ep.pop_back();
-    if (ep.empty()) {
-      // Virtual-hosted style on AWS, unless the bucket name cannot be a host.
-      if (bucket_.find('.') == std::string::npos) {
-        base_url_ = "https://" + bucket_ + ".s3." + opts_.region + ".amazonaws.com";
-        path_style_ = false;
-      } else {
-        base_url_ = "https://s3." + opts_.region + ".amazonaws.com";
-      }
-    } else {
-      base_url_ = ep;
-    }
-    size_t scheme = base_url_.find("://");
-    size_t host_start = scheme == std::string::npos ? 0 : scheme + 3;
-    size_t path_start = base_url_.find('/', host_start);
-    host_ = base_url_.substr(
-        host_start, path_start == std::string::npos ? std::string::npos : path_start - host_start);
-    base_path_ = path_start == std::string::npos ? "" : base_url_.substr(path_start);
-    base_url_ = base_url_.substr(0, path_start);
-  }
+        base_url_(std::move(addr.base_url)),
+        host_(std::move(addr.host)),
+        base_path_(std::move(addr.base_path)),
+        path_style_(addr.path_style),
+        http_(s3::HttpOptions{opts_.ca_bundle}),
+        pool_(static_cast<size_t>(std::max(1, opts_.concurrency))) {}
 
   // ---- requests ----
 
@@ -301,12 +253,18 @@ class S3Storage final : public Storage {
       hs.emplace_back("host", host_);
       hs.emplace_back("x-amz-date", date);
       hs.emplace_back("x-amz-content-sha256", payload_hash);
-      if (!creds_.session_token.empty()) {
-        hs.emplace_back("x-amz-security-token", creds_.session_token);
+      // Asked per attempt: a retry after a refresh signs with the new keys.
+      Result<s3::Credentials> creds = creds_->Current();
+      if (!creds.ok()) {
+        out.status = creds.status().WithContext(what);
+        return out;
+      }
+      if (!creds->session_token.empty()) {
+        hs.emplace_back("x-amz-security-token", creds->session_token);
       }
       s3::SignRequest sr{c.method, uri, query, hs, payload_hash, date, opts_.region};
       req.headers = hs;
-      req.headers.emplace_back("authorization", s3::Authorization(creds_, sr));
+      req.headers.emplace_back("authorization", s3::Authorization(*creds, sr));
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       req.total_timeout_ms = std::max<long>(1, static_cast<long>(left.count()));
       req.connect_timeout_ms = static_cast<long>(opts_.connect_timeout_s * 1000);
@@ -624,10 +582,10 @@ class S3Storage final : public Storage {
 
  private:
   const S3Options opts_;
-  const s3::Credentials creds_;
+  const std::shared_ptr<s3::CredentialSource> creds_;
   const std::string bucket_, prefix_;
-  std::string base_url_, host_, base_path_;
-  bool path_style_ = true;
+  const std::string base_url_, host_, base_path_;
+  const bool path_style_;
   s3::HttpClient http_;
   ThreadPool pool_;
 };
@@ -1025,11 +983,19 @@ double EnvDouble(const char* name, double dflt) {
 
 S3Options S3OptionsFromEnvironment() {
   S3Options o;
-  o.endpoint = Env("AWS_ENDPOINT_URL_S3");
-  if (o.endpoint.empty()) o.endpoint = Env("AWS_ENDPOINT_URL");
-  o.region = Env("AWS_REGION");
-  if (o.region.empty()) o.region = Env("AWS_DEFAULT_REGION");
-  if (o.region.empty()) o.region = "us-east-1";
+  // Unreadable or malformed AWS files leave the environment's settings;
+  // NewS3Storage loads them again and reports the error.
+  s3::EnvLookup env = s3::ProcessEnv();
+  auto config = s3::AwsConfig::Load(env);
+  auto settings = s3::ResolveS3Settings(env, config.ok() ? *config : s3::AwsConfig());
+  if (settings.ok()) {
+    o.endpoint = settings->endpoint;
+    o.region = settings->region;
+    o.addressing_style = settings->addressing == s3::AddressingStyle::kVirtual ? "virtual"
+                         : settings->addressing == s3::AddressingStyle::kPath  ? "path"
+                                                                               : "auto";
+    o.ca_bundle = settings->ca_bundle;
+  }
   o.part_size = static_cast<uint64_t>(EnvDouble("CAIRN_S3_PART_SIZE", o.part_size));
   o.concurrency = static_cast<int>(EnvDouble("CAIRN_S3_CONCURRENCY", o.concurrency));
   o.prefetch_bytes = static_cast<uint64_t>(EnvDouble("CAIRN_S3_PREFETCH", o.prefetch_bytes));
@@ -1064,14 +1030,47 @@ Result<std::unique_ptr<Storage>> NewS3Storage(std::string_view uri, const S3Opti
                                 " is below S3's minimum of 5 MiB");
   }
   if (opts.max_attempts < 1) return InvalidArgumentError("S3 max_attempts must be >= 1");
-  s3::Credentials creds = CredentialsFromEnvironment();
-  if (creds.access_key_id.empty() || creds.secret_access_key.empty()) {
-    return FailedPreconditionError(
-        "opening " + std::string(uri) +
-        ": no AWS credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a profile in "
-        "~/.aws/credentials)");
+  const std::string what = "opening " + std::string(uri);
+  s3::AddressingStyle style;
+  if (opts.addressing_style.empty() || opts.addressing_style == "auto") {
+    style = s3::AddressingStyle::kAuto;
+  } else if (opts.addressing_style == "virtual") {
+    style = s3::AddressingStyle::kVirtual;
+  } else if (opts.addressing_style == "path") {
+    style = s3::AddressingStyle::kPath;
+  } else {
+    return InvalidArgumentError(what + ": addressing style '" + opts.addressing_style +
+                                "' is not auto, virtual or path");
   }
-  auto s = std::make_unique<S3Storage>(opts, std::move(creds), bucket, std::string(prefix));
+  if (!opts.ca_bundle.empty() && ::access(opts.ca_bundle.c_str(), R_OK) != 0) {
+    return InvalidArgumentError(
+        what + ": CA bundle " + opts.ca_bundle +
+        " (AWS_CA_BUNDLE or the profile's ca_bundle): " + std::strerror(errno));
+  }
+  auto addr = s3::ResolveS3Address(opts.endpoint, opts.region, bucket, style);
+  if (!addr.ok()) return addr.status().WithContext(what);
+  // The credential chain (credentials.h), over the same files and CA bundle.
+  s3::EnvLookup env = s3::ProcessEnv();
+  auto config = s3::AwsConfig::Load(env);
+  if (!config.ok()) return config.status().WithContext(what);
+  auto make = [&]() {
+    auto ctx = std::make_shared<s3::ProviderContext>(
+        s3::ProviderContext{env, *config, opts.region,
+                            std::make_shared<s3::HttpClient>(s3::HttpOptions{opts.ca_bundle})});
+    return std::make_shared<s3::RefreshingCredentials>(s3::DefaultProviderChain(ctx),
+                                                       s3::RefreshWindowsFromEnv(env));
+  };
+  auto creds = s3::SharedCredentials(
+      s3::ProcessCredentialFingerprint(opts.region + '\0' + opts.ca_bundle), make);
+  if (!creds.ok()) {
+    Status st = creds.status();
+    // A missing profile, token file or role is a configuration error, not
+    // an absent checkpoint (callers treat kNotFound as "nothing there yet").
+    if (st.code() == StatusCode::kNotFound) st = FailedPreconditionError(st.message());
+    return st.WithContext(what + ": AWS credentials");
+  }
+  auto s = std::make_unique<S3Storage>(opts, std::move(*creds), std::move(*addr), bucket,
+                                       std::string(prefix));
   auto any = s->AnyBelow(s->DirPrefix(""));
   if (!any.ok()) return any.status().WithContext("opening " + s->Describe());
   if (!create && !*any && !prefix.empty()) {

@@ -115,12 +115,12 @@ std::string Authorization(const Credentials& creds, const SignRequest& req) {
   std::string signed_headers;
   std::string canonical = CanonicalRequest(req, &signed_headers);
   std::string date = req.amz_date.substr(0, 8);
-  std::string scope = date + "/" + req.region + "/s3/aws4_request";
+  std::string scope = date + "/" + req.region + "/" + req.service + "/aws4_request";
   std::string to_sign = "AWS4-HMAC-SHA256\n" + req.amz_date + "\n" + scope + "\n" +
                         Sha256Hex(canonical.data(), canonical.size());
   std::string key = Hmac("AWS4" + creds.secret_access_key, date);
   key = Hmac(key, req.region);
-  key = Hmac(key, "s3");
+  key = Hmac(key, req.service);
   key = Hmac(key, "aws4_request");
   std::string sig = Hmac(key, to_sign);
   return "AWS4-HMAC-SHA256 Credential=" + creds.access_key_id + "/" + scope +

@@ -7,7 +7,8 @@
 //
 //   canonical request = METHOD \n URI \n QUERY \n HEADERS \n SIGNED \n PAYLOAD-HASH
 //   string to sign    = "AWS4-HMAC-SHA256" \n DATE \n SCOPE \n hex(sha256(canonical))
-//   signing key       = HMAC chain "AWS4"+secret -> date -> region -> "s3" -> "aws4_request"
+//   signing key       = HMAC chain "AWS4"+secret -> date -> region -> service -> "aws4_request"
+//                     (service "s3", or "sts" for the credential chain's AssumeRole)
 //
 // Secrets only ever enter the HMAC chain; nothing here formats them into a
 // string that could reach a log or an error message.
@@ -58,6 +59,7 @@ struct SignRequest {
   std::string payload_hash;  // hex SHA-256 or kUnsignedPayload
   std::string amz_date;      // "20240101T000000Z"
   std::string region;
+  std::string service = "s3";  // the scope's service: "s3", "sts"
 };
 
 // The value of the Authorization header for `req`.
