@@ -134,7 +134,7 @@ def join(flat: dict[str, Any], map_location: Any = None, weights_only: bool | No
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CorruptionError(f"{where}: not a framework checkpoint written by cairn "
                               f"(no '{TREE}' value)")
-    skeleton = torch.load(io.BytesIO(bytes(data)), map_location=map_location,
+    skeleton = torch.load(io.BytesIO(bytes(data)),
                           weights_only=True if weights_only is None else weights_only)
     if not isinstance(skeleton, dict) or skeleton.get("format") != _FORMAT:
         raise CorruptionError(f"{where}: unknown framework checkpoint format")
@@ -144,8 +144,8 @@ def join(flat: dict[str, Any], map_location: Any = None, weights_only: bool | No
         if key not in flat:
             raise CorruptionError(f"{where}: tensor {key} of the checkpoint is missing")
         t = flat[key]
-        if map_location is not None and not callable(map_location):
-            t = t.to(map_location)
+        if isinstance(map_location, (str, torch.device)):
+            t = t.to(map_location)  # (a callable or dict map_location: CPU tensors)
         tree = _set(tree, tuple(path), t)
     return tree
 

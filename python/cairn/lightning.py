@@ -34,10 +34,12 @@ Thread-safety: used from the trainer's thread, as Lightning does.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import warnings
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -106,10 +108,12 @@ class CheckpointIO(_LightningCheckpointIO):
     flight and closes the manager, which makes the newest save durable.
     """
 
-    def __init__(self, root: str | os.PathLike | None = None, **manager_kwargs: Any):
+    def __init__(self, root: str | os.PathLike | None = None, *, allow_pickle: bool = False,
+                 **manager_kwargs: Any):
         super().__init__()
         fw.check_no_keep(manager_kwargs, "Lightning's ModelCheckpoint")
         self.root = None if root is None else os.fspath(root)
+        self.allow_pickle = allow_pickle
         self.manager_kwargs = manager_kwargs
         self.manager: CheckpointManager | None = None
         self._next_step = 0
@@ -124,6 +128,13 @@ class CheckpointIO(_LightningCheckpointIO):
         if self.manager is None:
             if self.root is None:
                 self.root = os.path.join(os.path.dirname(os.fspath(path)) or ".", "cairn")
+            # One manager per root in a process: another plug-in still holding this
+            # root (a Trainer whose save_checkpoint() ran after fit ended) closes first.
+            other = _OPEN.get(_key(self.root))
+            other = other() if other is not None else None
+            if other is not None and other is not self:
+                other.teardown()
+            _OPEN[_key(self.root)] = weakref.ref(self)
             rank, world = fw.world()
             self._hide = world > 1
             with fw.rank_local(self._hide):
@@ -141,12 +152,12 @@ class CheckpointIO(_LightningCheckpointIO):
         returns once the state is copied (persisting goes on in the background)."""
         if storage_options is not None:
             raise TypeError("cairn.lightning.CheckpointIO takes no storage_options")
-        mgr = self._manager(path)
         rank, _ = fw.world()
-        if self._hide and rank != 0:
+        if rank != 0:
             raise InvalidArgumentError("cairn.lightning.CheckpointIO saves on global rank 0 "
                                        "only (strategies that save a replicated state: "
                                        "single device, DDP)")
+        mgr = self._manager(path)
         with fw.rank_local(self._hide):
             mgr.wait()  # the previous save's error is raised here
             self._collect_garbage()
@@ -177,7 +188,7 @@ class CheckpointIO(_LightningCheckpointIO):
                 mgr._open_readers.clear()
             uris = sorted((c for c in found if c[0] <= ptr["step"]), key=lambda c: -c[0])
             self._adopt_leftovers(path, ptr["step"], {c[0] for c in found})
-        allow_pickle = weights_only is False or bool(self.manager_kwargs.get("allow_pickle"))
+        allow_pickle = weights_only is False or self.allow_pickle
         flat, where = None, None
         if world > 1:
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
@@ -213,8 +224,8 @@ class CheckpointIO(_LightningCheckpointIO):
                    "tier instead")
             log.warning(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
-        return fw.join(flat, map_location=map_location if not callable(map_location) else None,
-                       weights_only=weights_only, where=f"{path} (step {where[0]})")
+        return fw.join(flat, map_location=map_location, weights_only=weights_only,
+                       where=f"{path} (step {where[0]})")
 
     def remove_checkpoint(self, path: Any) -> None:
         """Deletes the pointer file `path`; its step is deleted once no pointer refers
@@ -311,6 +322,21 @@ class CheckpointIO(_LightningCheckpointIO):
                 except Error as e:
                     log.warning("cairn: deleting step %d of the %s tier: %s", step, tier, e)
             self._garbage.discard(step)
+
+
+# root -> the plug-in whose manager holds it (closed at exit: the newest save durable).
+_OPEN: dict[str, "weakref.ref[CheckpointIO]"] = {}
+
+
+@atexit.register
+def _close_all() -> None:
+    for ref in list(_OPEN.values()):
+        io = ref()
+        if io is not None:
+            try:
+                io.teardown()
+            except Exception as e:  # noqa: BLE001 - at exit, report only
+                log.warning("cairn: closing the checkpoint manager at exit: %s", e)
 
 
 def _key(path: Any) -> str:

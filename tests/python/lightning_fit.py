@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--root", default=None)
     p.add_argument("--out", default=None)
-    p.add_argument("--log", default="")
+    p.add_argument("--samples", default="")
     p.add_argument("--kill-at", type=int, default=-1)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--every", type=int, default=3)
@@ -76,8 +76,8 @@ def main() -> None:
     p.add_argument("--plugin", default="cairn")
     p.add_argument("--memory", type=int, default=1)
     a = p.parse_args()
-    if a.log and int(os.environ.get("RANK", "0")) != 0:
-        a.log = f"{a.log}.rank{os.environ['RANK']}"
+    if a.samples and int(os.environ.get("RANK", "0")) != 0:
+        a.samples = f"{a.samples}.rank{os.environ['RANK']}"
     pl.seed_everything(0, verbose=False)
     ds = cairn.data.CachedFileDataset(a.data, cache_dir=os.path.join(a.ckpt_dir, "..", "cache"),
                                       shuffle=True, seed=3, transform=read_sample)
@@ -93,7 +93,7 @@ def main() -> None:
                          use_distributed_sampler=False, plugins=plugins, callbacks=callbacks,
                          logger=False, enable_progress_bar=False, enable_model_summary=False,
                          deterministic=True, num_sanity_val_steps=0)
-    model = Net(a.log)
+    model = Net(a.samples)
     trainer.fit(model, train_dataloaders=loader, ckpt_path="last")
     if a.out and trainer.global_rank == 0:
         torch.save(model.state_dict(), a.out)
