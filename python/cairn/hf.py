@@ -188,8 +188,8 @@ class CairnTrainerMixin:
             "trainer_state": trainer_state,
             "data": self._cairn_data_position(),
         }
-        mgr.save(step, fw.split(checkpoint, "model"))
-        self._cairn_last_saved = step
+        if mgr.save(step, fw.split(checkpoint, "model")):  # goes to the durable tier
+            self._cairn_last_saved = step
         self._cairn_saved.add(step)
         self._cairn_write_dir(folder, step, trainer_state)
         transformers.trainer_utils.rotate_checkpoints(
@@ -222,7 +222,8 @@ class CairnTrainerMixin:
 
     def _cairn_collect(self, mgr: CheckpointManager, final: bool = False) -> None:
         """Deletes the durable/local steps this process saved whose checkpoint-N
-        directory is gone (save_total_limit), once older than the last durable save."""
+        directory is gone (save_total_limit), once older than the last save that went
+        to the durable tier (called after the manager's wait(): it is there)."""
         last = self._cairn_last_saved
         if last is None:
             return

@@ -163,9 +163,10 @@ class CheckpointIO(_LightningCheckpointIO):
             self._collect_garbage()
             state = fw.split(checkpoint, "state_dict")
             step = self._next_step
-            mgr.save(step, state)
+            durable = mgr.save(step, state)
         self._next_step = step + 1
-        self._last_saved = step
+        if durable:
+            self._last_saved = step
         old = self._write_pointer(path, step, checkpoint)
         if old is not None and old != step:
             self._garbage.add(old)
@@ -300,8 +301,9 @@ class CheckpointIO(_LightningCheckpointIO):
         self._garbage.update(s for s in steps if s < step and s not in named)
 
     def _collect_garbage(self) -> None:
-        """Deletes the garbage steps older than the newest durable save (called after
-        the manager's wait(), so no persist runs)."""
+        """Deletes the garbage steps older than the newest save that went to the
+        durable tier (called after the manager's wait(): it is there, and no persist
+        runs)."""
         mgr = self.manager
         if mgr is None or self._last_saved is None or not self._garbage:
             return

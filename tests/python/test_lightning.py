@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -37,12 +38,19 @@ def _fit(data, run, *extra, devices=1, check=True, timeout=240):
     args = [str(SCRIPT), "--data", str(data), "--ckpt-dir", str(run / "ckpt"),
             "--out", str(run / "w.pt"), "--samples", str(run / "log"), *extra]
     if devices > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices),
-               "--master-port", "0", "--max-restarts", "0", *args, "--devices", str(devices)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={devices}", "--max-restarts=0", *args, "--devices", str(devices)]
     else:
         cmd = [sys.executable, *args]
-    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout,
-                       start_new_session=True)
+    with subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
+            out, err = proc.communicate()
+            raise AssertionError(f"fit timed out after {timeout}s:\n{out[-3000:]}\n{err[-6000:]}")
+    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check and p.returncode != 0:
         raise AssertionError(f"fit failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return p
