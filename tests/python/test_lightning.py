@@ -166,6 +166,7 @@ def test_ddp_two_ranks_sigkill_resumes_bit_identical(data, tmp_path):
     _assert_retention(run)
 
 
+@pytest.mark.skipif(not os.environ.get("CAIRN_SLOW"), reason="long: set CAIRN_SLOW=1")
 def test_s3_durable_tier_fit_and_load(data, moto, monkeypatch, tmp_path):
     """The durable tier on S3 (moto, SigV4 checked): a fit's checkpoints land there,
     verified, and load back in a fresh plug-in (no memory tier: from S3 itself)."""
