@@ -15,8 +15,10 @@
 //                           processes and verifies it (python -m cairn.drill)
 //   cairn bench PATH        quick checkpoint benchmark of PATH's storage
 //                           (python -m cairn.bench)
+//   cairn export CKPT --safetensors DIR   the model's tensors as safetensors files
+//                           for serving (python -m cairn.export)
 //
-// drill and bench need torch, so they are Python modules: the CLI execs a Python
+// drill, bench and export need torch, so they are Python modules: the CLI execs a Python
 // interpreter that can import cairn, the first of (FindPython below):
 //   1. $CAIRN_PYTHON when set (an explicit choice: used alone, never passed over);
 //   2. the `python3`/`python` next to the path the CLI was run by (a venv's
@@ -366,10 +368,10 @@ int ExecPythonModule(const char* argv0, const std::string& module,
 }  // namespace
 
 static int Main(int argc, char** argv) {
-  // drill and bench are Python modules: everything after the subcommand is theirs.
+  // drill, bench and export are Python modules: everything after the subcommand is theirs.
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "drill" || a == "bench") {
+    if (a == "drill" || a == "bench" || a == "export") {
       return ExecPythonModule(argv[0], "cairn." + a,
                               std::vector<std::string>(argv + i + 1, argv + argc));
     }
@@ -383,6 +385,8 @@ static int Main(int argc, char** argv) {
   app.add_subcommand("drill", "restore drill in fresh processes (cairn drill --help)")
       ->allow_extras();
   app.add_subcommand("bench", "quick checkpoint benchmark of a storage (cairn bench --help)")
+      ->allow_extras();
+  app.add_subcommand("export", "a checkpoint's model as safetensors (cairn export --help)")
       ->allow_extras();
   size_t threads = cairn::DefaultThreadCount(cairn::PoolKind::kIo);
   app.add_option("-j,--threads", threads, "I/O threads")->check(CLI::Range(1, 256));

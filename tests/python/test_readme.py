@@ -7,7 +7,10 @@ A block that cannot run that way carries an annotation on the line before it,
 
 * ``s3``: runs against the moto server of conftest.py, with the AWS_* environment
   a user would export and the bucket the snippet names created first;
-* ``slow``: runs only with CAIRN_SLOW=1 (the skip says why, from the annotation).
+* ``slow``: runs only with CAIRN_SLOW=1 (the skip says why, from the annotation);
+* ``excerpt FILE``: lines quoted from FILE (an example that trains a model, run by its
+  own tests): every line of the block must be a line of FILE, in order, so the README
+  never shows code the example does not have.
 
 Any other annotation fails the test: nothing is skipped silently.
 """
@@ -24,8 +27,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-KINDS = ("s3", "slow")
-_ANNOTATION = re.compile(r"<!--\s*readme-test:\s*(\w+)\s*(?:\((.*)\))?\s*-->")
+KINDS = ("s3", "slow", "excerpt")
+_ANNOTATION = re.compile(r"<!--\s*readme-test:\s*(\w+)\s*(?:\((.*)\)|(\S+))?\s*-->")
 
 
 def _blocks() -> list[tuple[int, str, str | None, str]]:
@@ -41,7 +44,7 @@ def _blocks() -> list[tuple[int, str, str | None, str]]:
                 j += 1
             prev = next((lines[k] for k in range(i - 1, -1, -1) if lines[k].strip()), "")
             m = _ANNOTATION.search(prev)
-            kind, why = (m.group(1), m.group(2) or "") if m else (None, "")
+            kind, why = (m.group(1), m.group(2) or m.group(3) or "") if m else (None, "")
             out.append((start + 1, "\n".join(lines[start:j]) + "\n", kind, why))
             i = j
         i += 1
@@ -101,9 +104,23 @@ def test_readme_data_loop_resumes_and_guards_its_workers():
         assert not re.search(r"for epoch in range\(epochs\)", code), code
 
 
-@pytest.mark.parametrize("line,code,kind,why",
-                         [b for b in BLOCKS if b[2] != "s3"],
-                         ids=[f"line{b[0]}" for b in BLOCKS if b[2] != "s3"])
+def test_readme_excerpts_are_the_examples_own_lines():
+    excerpts = [b for b in BLOCKS if b[2] == "excerpt"]
+    for line, code, _, source in excerpts:
+        path = ROOT / source
+        assert path.is_file(), f"README.md:{line}: excerpt of a missing file {source}"
+        have = [x.rstrip() for x in path.read_text().splitlines()]
+        at = 0
+        for want in (x.rstrip() for x in code.splitlines() if x.strip()):
+            assert want in have[at:], f"README.md:{line}: {want.strip()!r} is not in {source}"
+            at = have.index(want, at) + 1
+
+
+RUNNABLE = [b for b in BLOCKS if b[2] not in ("s3", "excerpt")]
+
+
+@pytest.mark.parametrize("line,code,kind,why", RUNNABLE,
+                         ids=[f"line{b[0]}" for b in RUNNABLE])
 def test_readme_block_runs(line, code, kind, why, tmp_path):
     if kind == "slow" and os.environ.get("CAIRN_SLOW") != "1":
         pytest.skip(f"README.md:{line} runs with CAIRN_SLOW=1 only: {why}")

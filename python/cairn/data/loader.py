@@ -113,6 +113,11 @@ class _Iter:
             ld._next_worker = (slot // ld._iter_ws + 1) % ld._iter_nw
             batch = batch.batch
         ld._consumed = min(ld._end, ld._consumed + ld._step)
+        # After the epoch's last batch the epoch is over now, not only at a further
+        # next(): a loop that knows len(loader) (Lightning's) never makes that call.
+        if ((ld._batches_per_epoch is not None and ld._batches >= ld._batches_per_epoch)
+                or (not ld._is_shards and ld._consumed >= ld._end)):
+            ld._epoch_done = True
         return batch
 
 
