@@ -259,8 +259,9 @@ def test_a_huge_declared_manifest_size_is_not_allocated(s3, proxy):
     code, peak_kib = (int(x) for x in r.stdout.split())
     assert code > 0, r.stderr
     assert "manifest" in r.stderr and "header says" in r.stderr, r.stderr
-    # ru_maxrss is in KiB: far below the 1 GiB the size declared.
-    assert peak_kib < 200 << 10, peak_kib
+    # ru_maxrss is in KiB: ~15 MiB here; reading what the size declared
+    # (1 GiB, zero-filled) first peaked at 200 MiB before the read failed.
+    assert peak_kib < 64 << 10, peak_kib
 
 
 _PEAK_KIB = """
