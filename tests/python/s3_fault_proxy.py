@@ -18,7 +18,8 @@ connection. Rules chosen by the test replace chosen requests by a fault:
 * ``"flip"`` forward the request with one byte of its body (the middle one)
   flipped: corruption in transit;
 * ``"reply"`` answer with the raw bytes ``raw`` (status line, headers and
-  body, as given), then close the connection, not forwarded;
+  body, as given; or ``raw(target)``'s), after ``delay_s``, then close the
+  connection, not forwarded;
 * ``"rewrite"`` forward, then answer ``fn(target, status, headers, body)``,
   which returns a new ``(status, headers, body)`` (headers: a list of
   (name, value); Content-Length is set by the proxy).
@@ -198,7 +199,9 @@ class FaultProxy:
                     self._stop.wait(rule.stall_s)
                     return
                 if rule is not None and rule.fault == "reply":
-                    conn.sendall(rule.raw)
+                    if rule.delay_s and self._stop.wait(rule.delay_s):
+                        return
+                    conn.sendall(rule.raw(target) if callable(rule.raw) else rule.raw)
                     return
                 if rule is not None and rule.fault == "delay":
                     if self._stop.wait(rule.delay_s):

@@ -166,6 +166,28 @@ def test_a_continuation_token_that_repeats_ends_the_listing_with_an_error(s3, pr
     assert r.returncode > 0 and "repeated continuation token" in r.stderr, r.stderr
 
 
+def test_a_listing_that_never_ends_stops_at_the_operation_deadline(s3, proxy, monkeypatch):
+    root, *_ = s3
+    _save(root + "/step_1", _state(1, mib=1))
+    monkeypatch.setenv("CAIRN_S3_OPERATION_DEADLINE_S", "2")
+    # Every page continues with a fresh token, after 0.3 s: no token repeats,
+    # each request is quick; only the listing's own deadline ends it.
+    pages = iter(range(1 << 30))
+
+    def page(target):
+        body = (f'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><KeyCount>0</KeyCount>'
+                f"<IsTruncated>true</IsTruncated><NextContinuationToken>t{next(pages)}"
+                f"</NextContinuationToken></ListBucketResult>").encode()
+        return (f"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+    proxy.add("reply", method="GET", path=r"delimiter=%2F&list-type=2", times=-1, raw=page,
+              delay_s=0.3)
+    with pytest.raises(cairn.errors.TimeoutError, match="operation's deadline"):
+        cairn.latest_valid(root)
+    assert next(pages) < 15
+
+
 def test_a_listing_page_over_one_mib_is_parsed(s3, proxy):
     root, client, bucket, prefix = s3
     _save(root + "/step_1", _state(1, mib=1))
