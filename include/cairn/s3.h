@@ -89,6 +89,16 @@ struct S3Options {
   // 64 KiB; every body is still covered by cairn's own checksums).
   // CAIRN_S3_SIGN_PAYLOAD=1.
   bool sign_payload = false;
+  // What a server's answers may make cairn do (see docs/storage.md, "What
+  // cairn does not trust in a server's answer"): a whole operation (a
+  // listing, a split read, one file's upload from open to completion) ends
+  // with kDeadlineExceeded after `operation_deadline_s`
+  // (CAIRN_S3_OPERATION_DEADLINE_S), a listing after `max_list_pages` pages.
+  double operation_deadline_s = 3600;
+  int max_list_pages = 100000;
+  // Send Content-MD5 with every body (S3 refuses a body that does not match
+  // it, and cairn retries). CAIRN_S3_CONTENT_MD5=0 turns it off.
+  bool content_md5 = true;
 };
 
 // S3Options filled from the environment (see the top of this file).

@@ -180,6 +180,11 @@ Status CommitManifest(Storage* storage, std::string_view dir, const Manifest& m)
   return s.WithContext(where);
 }
 
+namespace {
+// A manifest is read header first, then this much, then doubling what was read.
+constexpr uint64_t kManifestFirstRead = uint64_t{4} << 20;
+}  // namespace
+
 Result<Manifest> ReadManifest(Storage* storage, std::string_view dir) {
   const std::string name = internal::JoinDir(dir, format::kManifestName);
   const std::string where = storage->Describe() + "/" + name;
@@ -208,11 +213,32 @@ Result<Manifest> ReadManifest(Storage* storage, std::string_view dir) {
       format::kMaxManifestBodySize + format::kManifestHeaderSize + format::kManifestTrailerSize) {
     return DataLossError(where + ": manifest of " + std::to_string(size) + " bytes is absurd");
   }
-  std::string bytes(size, '\0');
-  Status s = (*file)->ReadAt(0, bytes.data(), size);
-  if (!s.ok()) {
-    if (s.code() == StatusCode::kOutOfRange) return DataLossError(where + ": " + s.message());
-    return s.WithContext(where);
+  // The size is what the storage declares (for S3, a server's header): read
+  // in growing steps, so that memory follows the bytes actually received,
+  // and check the header's body length against the declared size first.
+  std::string bytes;
+  uint64_t step = std::min<uint64_t>(size, format::kManifestHeaderSize);
+  while (bytes.size() < size) {
+    const uint64_t at = bytes.size(), n = std::min<uint64_t>(step, size - at);
+    bytes.resize(at + n);
+    Status s = (*file)->ReadAt(at, bytes.data() + at, n);
+    if (!s.ok()) {
+      if (s.code() == StatusCode::kOutOfRange) return DataLossError(where + ": " + s.message());
+      return s.WithContext(where);
+    }
+    if (at == 0 && bytes.size() >= format::kManifestHeaderSize) {
+      uint64_t body_len = 0;  // little-endian, after the magic, version and flags
+      for (int i = 7; i >= 0; --i) {
+        body_len = (body_len << 8) | static_cast<uint8_t>(bytes[format::kMagicSize + 8 + i]);
+      }
+      if (body_len > format::kMaxManifestBodySize ||
+          body_len + format::kManifestHeaderSize + format::kManifestTrailerSize != size) {
+        return DataLossError(where + ": manifest truncated or damaged: header says " +
+                             std::to_string(body_len) + " body bytes, the file has " +
+                             std::to_string(size));
+      }
+    }
+    step = std::max<uint64_t>(kManifestFirstRead, bytes.size());  // then double what is held
   }
   auto m = DecodeManifest(bytes);
   if (!m.ok()) return m.status().WithContext(where);

@@ -11,7 +11,18 @@ connection. Rules chosen by the test replace chosen requests by a fault:
 * ``"500"``   answer 500 InternalError, not forwarded;
 * ``"reset"`` read the request, then reset the connection (RST);
 * ``"stall"`` read the request, then never answer (until ``stall_s`` passes
-  or the proxy stops), the connection left open.
+  or the proxy stops), the connection left open;
+* ``"delay"`` wait ``delay_s``, then forward;
+* ``"drop_response"`` forward the request (the server acts on it), then
+  reset the connection instead of answering: a response lost on the way;
+* ``"flip"`` forward the request with one byte of its body (the middle one)
+  flipped: corruption in transit;
+* ``"reply"`` answer with the raw bytes ``raw`` (status line, headers and
+  body, as given; or ``raw(target)``'s), after ``delay_s``, then close the
+  connection, not forwarded;
+* ``"rewrite"`` forward, then answer ``fn(target, status, headers, body)``,
+  which returns a new ``(status, headers, body)`` (headers: a list of
+  (name, value); Content-Length is set by the proxy).
 
 A rule matches on the method and a regular expression searched in the
 request target (path and query); ``times`` is how often it fires (-1:
@@ -36,11 +47,17 @@ _FAULT_BODIES = {
 }
 
 
+FAULTS = ("503", "500", "reset", "stall", "delay", "drop_response", "flip", "reply", "rewrite")
+
+
 class Rule:
-    def __init__(self, fault, method, path, times, stall_s):
-        if fault not in ("503", "500", "reset", "stall"):
+    def __init__(self, fault, method, path, times, stall_s, delay_s=0.0, raw=b"", fn=None):
+        if fault not in FAULTS:
             raise ValueError(fault)
+        if fault == "rewrite" and fn is None:
+            raise ValueError("rewrite needs fn")
         self.fault, self.method, self.times, self.stall_s = fault, method, times, stall_s
+        self.delay_s, self.raw, self.fn = delay_s, raw, fn
         self.path = re.compile(path) if path else None
         self.hits = 0
         self.fired = threading.Event()
@@ -68,8 +85,9 @@ class FaultProxy:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def add(self, fault, method=None, path=None, times=1, stall_s=600.0) -> Rule:
-        rule = Rule(fault, method, path, times, stall_s)
+    def add(self, fault, method=None, path=None, times=1, stall_s=600.0, delay_s=0.0, raw=b"",
+            fn=None) -> Rule:
+        rule = Rule(fault, method, path, times, stall_s, delay_s, raw, fn)
         with self._lock:
             self._rules.append(rule)
         return rule
@@ -180,14 +198,32 @@ class FaultProxy:
                 if rule is not None and rule.fault == "stall":
                     self._stop.wait(rule.stall_s)
                     return
+                if rule is not None and rule.fault == "reply":
+                    if rule.delay_s and self._stop.wait(rule.delay_s):
+                        return
+                    conn.sendall(rule.raw(target) if callable(rule.raw) else rule.raw)
+                    return
+                if rule is not None and rule.fault == "delay":
+                    if self._stop.wait(rule.delay_s):
+                        return
+                if rule is not None and rule.fault == "flip" and body:
+                    bad = bytearray(body)
+                    bad[len(bad) // 2] ^= 0x01
+                    body = bytes(bad)
                 upstream.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
                 for k, v in headers:
                     upstream.putheader(k, v)
                 upstream.endheaders(body if body else None)
                 resp = upstream.getresponse()
                 data = resp.read()
-                out = [f"HTTP/1.1 {resp.status} {resp.reason}"]
-                for k, v in resp.getheaders():
+                if rule is not None and rule.fault == "drop_response":
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    return
+                status, reason, resp_headers = resp.status, resp.reason, resp.getheaders()
+                if rule is not None and rule.fault == "rewrite":
+                    status, resp_headers, data = rule.fn(target, status, list(resp_headers), data)
+                out = [f"HTTP/1.1 {status} {reason}"]
+                for k, v in resp_headers:
                     if k.lower() in ("transfer-encoding", "connection", "content-length"):
                         continue
                     out.append(f"{k}: {v}")

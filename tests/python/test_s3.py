@@ -132,10 +132,15 @@ def test_second_writer_of_a_step_cannot_commit_over_the_first(s3):
     _save(root + "/step_1", _state(1, mib=1))
     # The first commit wins; the second writer's manifest PUT (If-None-Match)
     # is refused, whatever it wrote before.
+    # (A manifest byte for byte the stored one would be that same commit,
+    # retried: it succeeds; another writer's differs, if only in its time.)
     ext = cairn._ext
     step = ext.open_storage(root + "/step_1", create=False)
+    theirs = ext.CheckpointReader(step).manifest()
+    ext.commit_manifest(step, theirs)  # the same bytes: the same commit
+    theirs.created_unix_ms += 1
     with pytest.raises(cairn.Error) as e:
-        ext.commit_manifest(step, ext.CheckpointReader(step).manifest())
+        ext.commit_manifest(step, theirs)
     assert "already exists" in str(e.value)
     _load_equals(root + "/step_1", _state(1, mib=1))
 

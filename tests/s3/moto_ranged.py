@@ -29,6 +29,8 @@
    at a time, and a retried complete of an upload that was already completed
    answers as S3 does, with the completed object, instead of a 500.
 
+3. Content-MD5 is checked as S3 checks it (moto_md5.py).
+
 Everything else is stock moto. Every peer of the benchmark talks to the same
 patched server, so the comparison stays fair.
 
@@ -255,6 +257,12 @@ def _complete_multipart_upload(self, bucket_name, multipart_id, body):
 
 
 models.S3Backend.complete_multipart_upload = _complete_multipart_upload
+
+# Content-MD5 checked as S3 does (moto_md5.py).
+sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+import moto_md5  # noqa: E402
+
+moto_md5.install()
 
 if __name__ == "__main__":
     from moto.server import main

@@ -8,7 +8,9 @@ every request's SigV4 signature (auth is switched on through moto's
 ``/moto-api/reset-auth``, the runtime form of INITIAL_NO_AUTH_ACTION_COUNT,
 after the user, its policy and the bucket were created unauthenticated).
 ``srv.env()`` is the environment a cairn process needs (AWS_* variables).
-``ranged_gets=True`` runs moto through moto_ranged.py (ranged GETs read only
+moto runs through moto_md5.py, which checks Content-MD5 as S3 does (a body
+changed on the way is refused with BadDigest). ``ranged_gets=True`` runs moto
+through moto_ranged.py (ranged GETs read only
 the range; bench/s3.py uses it).
 
 As a script: ``moto_server.py [--auth] -- CMD ARGS...`` runs CMD with that
@@ -57,9 +59,10 @@ class MotoServer:
         self.port = free_port()
         env = dict(os.environ)
         env.pop("INITIAL_NO_AUTH_ACTION_COUNT", None)
-        script = self.script or ("moto_ranged.py" if self.ranged_gets else None)
-        server = ([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), script)]
-                  if script else [sys.executable, "-m", "moto.server"])
+        here = os.path.dirname(os.path.abspath(__file__))
+        # Each checks Content-MD5 as S3 does (moto_md5.py).
+        script = self.script or ("moto_ranged.py" if self.ranged_gets else "moto_md5.py")
+        server = [sys.executable, os.path.join(here, script)]
         self.proc = subprocess.Popen(
             server + ["-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,

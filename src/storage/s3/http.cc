@@ -23,6 +23,7 @@ struct Transfer {
   HttpResponse* resp;
   size_t piece = 0;     // scatter: the piece being filled
   size_t piece_at = 0;  // and the bytes of it already filled
+  size_t header_bytes = 0;
 };
 
 // Places a body chunk into req.scatter (see HttpRequest); false on overflow.
@@ -50,7 +51,14 @@ size_t OnHeader(char* data, size_t size, size_t n, void* user) {
   std::string_view line(data, size * n);
   if (line.substr(0, 5) == "HTTP/") {
     t->resp->headers.clear();  // a new response (e.g. after 100 Continue)
+    t->header_bytes = 0;
     return size * n;
+  }
+  // A server's headers are not trusted to be few or short.
+  t->header_bytes += line.size();
+  if (t->header_bytes > kMaxHeaderBytes) {
+    t->resp->header_overflow = true;
+    return 0;  // aborts the transfer
   }
   size_t colon = line.find(':');
   if (colon != std::string_view::npos) {
@@ -88,8 +96,19 @@ size_t OnBody(char* data, size_t size, size_t n, void* user) {
     r->dest_written += len;
     return len;
   }
-  // Error bodies are small XML; cap what is kept.
-  if (t->resp->body.size() < (1 << 20)) t->resp->body.append(data, len);
+  // Other bodies (XML results, errors) are kept up to max_body: a 2xx one
+  // that is longer is refused whole, an error body is cut.
+  HttpResponse* r = t->resp;
+  const size_t room = t->req->max_body - std::min(t->req->max_body, r->body.size());
+  if (len > room) {
+    if (code >= 200 && code < 300) {
+      r->body_overflow = true;
+      return 0;  // aborts the transfer (CURLE_WRITE_ERROR)
+    }
+    r->body.append(data, room);
+    return len;
+  }
+  r->body.append(data, len);
   return len;
 }
 
@@ -189,6 +208,7 @@ HttpResponse HttpClient::Perform(const HttpRequest& req) {
     curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME, std::max(1L, req.stall_timeout_ms / 1000));
   }
   if (req.total_timeout_ms > 0) curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, req.total_timeout_ms);
+  if (req.fresh_connection) curl_easy_setopt(curl, CURLOPT_FRESH_CONNECT, 1L);
 
   if (req.method == "GET") {
     curl_easy_setopt(curl, CURLOPT_HTTPGET, 1L);

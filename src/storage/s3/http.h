@@ -33,6 +33,14 @@ struct HttpRequest {
   // pieces in order, a null address skipping its bytes; more bytes than
   // they hold is an error. dest_written counts every byte placed or skipped.
   const std::vector<std::pair<char*, size_t>>* scatter = nullptr;
+  // Bytes of a body kept in HttpResponse::body (one not written to dest or
+  // scatter): a 2xx body longer than this aborts the transfer
+  // (body_overflow); a longer error body is cut here, the rest discarded.
+  size_t max_body = 64 << 10;
+  // On a new connection: curl silently resends a request whose reused
+  // connection died before any answer, which for a request that must not
+  // take effect twice hides that it may have (see S3WritableFile).
+  bool fresh_connection = false;
   // Limits of this attempt, in milliseconds (0 = none).
   long connect_timeout_ms = 0;
   long stall_timeout_ms = 0;  // abort when no byte moves for this long
@@ -50,6 +58,8 @@ struct HttpResponse {
   bool dest_overflow = false;
   // The peer's TLS certificate failed verification (retrying cannot help).
   bool tls_unverified = false;
+  bool body_overflow = false;    // a 2xx body over max_body (the transfer was aborted)
+  bool header_overflow = false;  // more header bytes than kMaxHeaderBytes (aborted)
 };
 
 // TLS settings of one client. Peer and host verification are always on.
@@ -59,6 +69,9 @@ struct HttpOptions {
   // hashed CA directory (CURLOPT_CAPATH). "" = the system's store.
   std::string ca_bundle;
 };
+
+// Bound on the response header bytes kept per response.
+inline constexpr size_t kMaxHeaderBytes = 256 << 10;
 
 class HttpClient {
  public:

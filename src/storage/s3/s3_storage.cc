@@ -28,6 +28,7 @@
 //   4. Any failure, Abort() or destruction without Close() aborts the
 //      upload, so a failed save leaves no object and no stored parts; parts
 //      of a killed process are removed by AbortStaleUploads (cairn prune).
+#include <openssl/evp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -42,9 +43,11 @@
 #include <pugixml.hpp>
 #include <random>
 #include <thread>
+#include <unordered_set>
 
 #include "cairn/s3.h"
 #include "cairn/thread_pool.h"
+#include "io/xxh3.h"
 #include "storage/s3/aws_config.h"
 #include "storage/s3/credentials.h"
 #include "storage/s3/http.h"
@@ -62,6 +65,13 @@ constexpr uint64_t kMinPartSize = uint64_t{5} << 20;
 constexpr uint64_t kMaxParts = 10000;
 constexpr size_t kSignedBodyLimit = 64 << 10;
 constexpr uint64_t kMaxCopySize = uint64_t{5} << 30;
+// A ListObjectsV2 page holds up to 1000 keys of up to 1024 bytes each, XML
+// escaped (up to 6x), plus per-entry overhead: a few MiB at most.
+constexpr size_t kMaxListBody = size_t{16} << 20;
+// Other XML bodies (errors, upload ids, results) are small.
+constexpr size_t kMaxXmlBody = size_t{1} << 20;
+constexpr size_t kMaxTokenBytes = 4096;  // a continuation token or marker
+constexpr size_t kQuoteLimit = 200;      // server text quoted in an error
 
 std::string Env(const char* name) {
   const char* v = std::getenv(name);
@@ -70,15 +80,43 @@ std::string Env(const char* name) {
 
 // ---- errors ------------------------------------------------------------------
 
+// Text from a server (a key, an error message) as it may appear in an error
+// of ours: printable ASCII kept, other bytes as \xNN (so the message stays
+// valid UTF-8 whatever the server sent), cut to `limit` characters.
+std::string Quote(std::string_view s, size_t limit = kQuoteLimit) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (out.size() >= limit) {
+      out += "... (" + std::to_string(s.size()) + " bytes)";
+      break;
+    }
+    auto c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out += "\\x";
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    }
+  }
+  return out;
+}
+
 struct S3Error {
   std::string code, message;
 };
 
 // Parses an S3 <Error><Code/><Message/></Error> body, if it is one.
-std::optional<S3Error> ParseError(const std::string& body) {
+// *unparsable: the body mentions <Error but is not XML (e.g. truncated).
+std::optional<S3Error> ParseError(const std::string& body, bool* unparsable) {
+  *unparsable = false;
   if (body.find("<Error") == std::string::npos) return std::nullopt;
   pugi::xml_document doc;
-  if (!doc.load_buffer(body.data(), body.size())) return std::nullopt;
+  if (!doc.load_buffer(body.data(), body.size())) {
+    *unparsable = true;
+    return std::nullopt;
+  }
   pugi::xml_node e = doc.child("Error");
   if (!e) return std::nullopt;
   return S3Error{e.child_value("Code"), e.child_value("Message")};
@@ -92,21 +130,36 @@ Status S3Status(const HttpResponse& r, const std::string& what) {
       return FailedPreconditionError(what + ": TLS certificate not trusted (" + r.curl_error +
                                      "; AWS_CA_BUNDLE names the CA of a private endpoint)");
     }
+    if (r.body_overflow) {
+      return UnavailableError(what + ": response body over " + std::to_string(r.body.size()) +
+                              " bytes (refused)");
+    }
+    if (r.header_overflow) return UnavailableError(what + ": response headers too long (refused)");
     return UnavailableError(what + ": " + (r.timed_out ? "timed out" : "request failed") + " (" +
-                            r.curl_error + ")");
+                            Quote(r.curl_error) + ")");
   }
-  std::optional<S3Error> err = ParseError(r.body);
+  bool unparsable = false;
+  std::optional<S3Error> err = ParseError(r.body, &unparsable);
   if (r.status >= 200 && r.status < 300) {
     // CompleteMultipartUpload and CopyObject can fail with a 200 and an
-    // error body.
-    if (!err || r.body.find("<Error>") == std::string::npos) return Status::OK();
+    // error body; one cut short (a closed connection ends the body) is no
+    // success either: retry it.
+    if (unparsable) {
+      return UnavailableError(what + ": HTTP " + std::to_string(r.status) +
+                              " with an unparsable error body (truncated?)");
+    }
+    if (!err) return Status::OK();
   }
   std::string detail = what + ": HTTP " + std::to_string(r.status);
-  if (err && !err->code.empty()) detail += " " + err->code;
-  if (err && !err->message.empty()) detail += ": " + err->message;
+  if (err && !err->code.empty()) detail += " " + Quote(err->code, 64);
+  if (err && !err->message.empty()) detail += ": " + Quote(err->message);
   const std::string code = err ? err->code : std::string();
+  // BadDigest / XAmzContentSHA256Mismatch / IncompleteBody: the body was
+  // damaged or cut on its way (the server checked Content-MD5 or the length):
+  // the same request, sent again, can succeed.
   if (code == "SlowDown" || code == "InternalError" || code == "RequestTimeout" ||
-      code == "ServiceUnavailable" || code == "ConditionalRequestConflict") {
+      code == "ServiceUnavailable" || code == "ConditionalRequestConflict" || code == "BadDigest" ||
+      code == "XAmzContentSHA256Mismatch" || code == "IncompleteBody") {
     return UnavailableError(detail);
   }
   switch (r.status) {
@@ -173,11 +226,22 @@ struct Call {
   char* dest = nullptr;
   size_t dest_len = 0;
   const std::vector<std::pair<char*, size_t>>* scatter = nullptr;
+  // When set, a 2xx answer counts only if its body is an XML document whose
+  // root is `expect_root` (parsed into *doc); anything else is retried.
+  const char* expect_root = nullptr;
+  pugi::xml_document* doc = nullptr;
+  size_t max_body = kMaxXmlBody;  // see HttpRequest::max_body
+  bool fresh_connection = false;  // see HttpRequest::fresh_connection
+  // The deadline of the whole operation this request is part of (a listing,
+  // a split read, a file's upload); the retries of this one request stop
+  // there too.
+  Clock::time_point deadline = Clock::time_point::max();
 };
 
 struct Outcome {
   HttpResponse resp;
-  Status status;  // S3Status of the last attempt (with the retry count on failure)
+  Status status;     // S3Status of the last attempt (with the retry count on failure)
+  int attempts = 0;  // requests sent (more than 1: an earlier one may have taken effect)
 };
 
 struct ObjectInfo {
@@ -211,16 +275,20 @@ class S3Storage final : public Storage {
   // ---- requests ----
 
   // Executes `c`; its body must be an XML document whose root is `root` (kept
-  // in *doc, which owns the returned node).
-  Result<pugi::xml_node> ExecuteXml(const Call& c, const std::string& what, const char* root,
+  // in *doc, which owns the returned node). A body that is not is retried.
+  Result<pugi::xml_node> ExecuteXml(Call c, const std::string& what, const char* root,
                                     pugi::xml_document* doc) {
+    c.expect_root = root;
+    c.doc = doc;
     Outcome o = Execute(c, what);
     CAIRN_RETURN_IF_ERROR(o.status);
-    pugi::xml_node r;
-    if (!doc->load_buffer(o.resp.body.data(), o.resp.body.size()) || !(r = doc->child(root))) {
-      return UnavailableError(what + ": malformed response (no " + root + ")");
-    }
-    return r;
+    return doc->child(root);
+  }
+
+  // The deadline of an operation starting now (S3Options::operation_deadline_s).
+  Clock::time_point OperationDeadline() const {
+    return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                              std::chrono::duration<double>(opts_.operation_deadline_s));
   }
 
   Outcome Execute(const Call& c, const std::string& what) {
@@ -233,12 +301,34 @@ class S3Storage final : public Storage {
     if (!c.key.empty() || !path_style_) uri += "/" + s3::UriEncode(c.key, false);
     std::string query = s3::CanonicalQuery(c.query);
     std::string url = base_url_ + uri + (query.empty() ? "" : "?" + query);
+    // Every body sent carries its MD5, which S3 checks (BadDigest, retried):
+    // a byte changed on the way is refused, not stored. Computed here, on
+    // the calling thread: parts are sent from many threads at once.
+    std::string content_md5;
+    if (opts_.content_md5 && c.body_len > 0 &&
+        std::none_of(c.headers.begin(), c.headers.end(),
+                     [](const auto& h) { return h.first == "content-md5"; })) {
+      content_md5 = s3::Md5Base64(c.body, c.body_len);
+    }
 
     const Clock::time_point start = Clock::now();
-    const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
-                                      std::chrono::duration<double>(opts_.retry_deadline_s));
+    const auto retry_deadline = start + std::chrono::duration_cast<Clock::duration>(
+                                            std::chrono::duration<double>(opts_.retry_deadline_s));
+    const bool operation_bound = c.deadline < retry_deadline;
+    const auto deadline = std::min(retry_deadline, c.deadline);
     thread_local std::mt19937_64 rng{std::random_device{}()};
     Outcome out;
+    auto past_operation_deadline = [&](int attempts) {
+      char buf[160];
+      std::snprintf(buf, sizeof buf,
+                    ": the operation's deadline (%.0f s, CAIRN_S3_OPERATION_DEADLINE_S) passed "
+                    "after %d attempt%s of this request",
+                    opts_.operation_deadline_s, attempts, attempts == 1 ? "" : "s");
+      std::string last = out.status.ok() ? "" : " (last: " + out.status.message() + ")";
+      out.status = DeadlineExceededError(what + buf + last);
+      return out;
+    };
+    if (Clock::now() >= deadline) return past_operation_deadline(0);
     for (int attempt = 1;; ++attempt) {
       HttpRequest req;
       req.method = c.method;
@@ -248,7 +338,10 @@ class S3Storage final : public Storage {
       req.dest = c.dest;
       req.dest_len = c.dest_len;
       req.scatter = c.scatter;
+      req.max_body = c.max_body;
+      req.fresh_connection = c.fresh_connection;
       Params hs = c.headers;
+      if (!content_md5.empty()) hs.emplace_back("content-md5", content_md5);
       const std::string date = s3::AmzDateNow();
       hs.emplace_back("host", host_);
       hs.emplace_back("x-amz-date", date);
@@ -270,7 +363,17 @@ class S3Storage final : public Storage {
       req.connect_timeout_ms = static_cast<long>(opts_.connect_timeout_s * 1000);
       req.stall_timeout_ms = static_cast<long>(opts_.stall_timeout_s * 1000);
       out.resp = http_.Perform(req);
+      out.attempts = attempt;
       out.status = S3Status(out.resp, what);
+      if (out.status.ok() && c.expect_root) {
+        // A 2xx is a success only with the body this operation returns.
+        const std::string& b = out.resp.body;
+        if (!c.doc->load_buffer(b.data(), b.size()) || !c.doc->child(c.expect_root)) {
+          out.status =
+              UnavailableError(what + ": HTTP " + std::to_string(out.resp.status) + " without a " +
+                               c.expect_root + " (a malformed or truncated response)");
+        }
+      }
       if (out.status.code() != StatusCode::kUnavailable) return out;
       double cap =
           std::min(opts_.max_backoff_s,
@@ -278,6 +381,9 @@ class S3Storage final : public Storage {
       double sleep_s = std::uniform_real_distribution<double>(0, cap)(rng);
       auto wake = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                      std::chrono::duration<double>(sleep_s));
+      if (operation_bound && attempt < opts_.max_attempts && wake >= deadline) {
+        return past_operation_deadline(attempt);
+      }
       if (attempt >= opts_.max_attempts || wake >= deadline) {
         double spent = std::chrono::duration<double>(Clock::now() - start).count();
         char buf[96];
@@ -319,13 +425,16 @@ class S3Storage final : public Storage {
 
   std::string FullUri(const std::string& full) const { return "s3://" + bucket_ + "/" + full; }
 
+  // One ListObjectsV2 page, as the server sent it (see ListChecked).
   Status List(const std::string& prefix, const std::string& delimiter, const std::string& token,
-              int max_keys, ListPage* page) {
+              int max_keys, Clock::time_point deadline, ListPage* page) {
     Call c("GET", "");
     c.query = {{"list-type", "2"}, {"prefix", prefix}};
     if (!delimiter.empty()) c.query.emplace_back("delimiter", delimiter);
     if (!token.empty()) c.query.emplace_back("continuation-token", token);
     if (max_keys > 0) c.query.emplace_back("max-keys", std::to_string(max_keys));
+    c.max_body = kMaxListBody;
+    c.deadline = deadline;
     pugi::xml_document doc;
     CAIRN_ASSIGN_OR_RETURN(pugi::xml_node r,
                            ExecuteXml(c, "listing " + FullUri(prefix), "ListBucketResult", &doc));
@@ -344,22 +453,90 @@ class S3Storage final : public Storage {
     return Status::OK();
   }
 
+  // Whether `entry`, listed below `prefix`, is what such a listing may hold:
+  // it starts with `prefix`; with a delimiter, an object has none after the
+  // prefix and a common prefix exactly one, at its end. Anything else (a
+  // misbehaving server or proxy) is refused, never cut into a name, copied or
+  // deleted.
+  Status CheckListed(const std::string& prefix, const std::string& delimiter,
+                     const std::string& entry, bool common_prefix) const {
+    bool ok = entry.size() >= prefix.size() && entry.compare(0, prefix.size(), prefix) == 0;
+    if (ok && !delimiter.empty()) {
+      std::string_view rest = std::string_view(entry).substr(prefix.size());
+      size_t d = rest.find(delimiter);
+      ok = common_prefix ? rest.size() > delimiter.size() && d == rest.size() - delimiter.size()
+                         : d == std::string_view::npos;
+    }
+    if (ok) return Status::OK();
+    return IOError("listing " + FullUri(prefix) + ": the server returned " +
+                   (common_prefix ? "prefix '" : "key '") + Quote(entry) +
+                   "', which does not lie below '" + Quote(prefix) +
+                   "' (a misbehaving server or proxy; the listing is refused)");
+  }
+
+  // Every entry below `prefix` (rolled up at `delimiter` when not empty),
+  // page after page, into *out. What a page says is checked, not trusted:
+  // every entry lies below the prefix (CheckListed); no entry comes twice; a
+  // continuation token that comes back (a server or proxy that loops) or
+  // more than S3Options::max_list_pages pages end the listing with an
+  // error, and so does the operation deadline. `max_keys` > 0: one page of
+  // at most that many.
+  Status ListChecked(const std::string& prefix, const std::string& delimiter, int max_keys,
+                     ListPage* out) {
+    const Clock::time_point deadline = OperationDeadline();
+    std::unordered_set<uint64_t> seen, tokens;  // XXH3 of entries and of tokens
+    std::string token;
+    for (int pages = 1;; ++pages) {
+      ListPage page;
+      CAIRN_RETURN_IF_ERROR(List(prefix, delimiter, token, max_keys, deadline, &page));
+      auto once = [&](const std::string& e) -> Status {
+        // Objects and common prefixes cannot clash: only prefixes end in the
+        // delimiter.
+        if (seen.insert(XXH3_64bits(e.data(), e.size())).second) return Status::OK();
+        return IOError("listing " + FullUri(prefix) + ": the server returned '" + Quote(e) +
+                       "' twice (a misbehaving server or proxy; the listing is refused)");
+      };
+      for (auto& [k, size] : page.objects) {
+        CAIRN_RETURN_IF_ERROR(CheckListed(prefix, delimiter, k, false));
+        CAIRN_RETURN_IF_ERROR(once(k));
+        out->objects.emplace_back(std::move(k), size);
+      }
+      for (auto& p : page.prefixes) {
+        CAIRN_RETURN_IF_ERROR(CheckListed(prefix, delimiter, p, true));
+        CAIRN_RETURN_IF_ERROR(once(p));
+        out->prefixes.push_back(std::move(p));
+      }
+      if (!page.truncated || max_keys > 0) return Status::OK();
+      const std::string& t = page.next_token;
+      if (t.size() > kMaxTokenBytes) {
+        return IOError("listing " + FullUri(prefix) + ": a continuation token of " +
+                       std::to_string(t.size()) + " bytes (a misbehaving server or proxy)");
+      }
+      if (!tokens.insert(XXH3_64bits(t.data(), t.size())).second) {
+        return IOError("listing " + FullUri(prefix) + ": the server repeated continuation token '" +
+                       Quote(t, 64) + "' after " + std::to_string(pages) +
+                       " pages (a misbehaving server or proxy: the listing would never end)");
+      }
+      if (pages >= opts_.max_list_pages) {
+        return IOError("listing " + FullUri(prefix) + ": more than " +
+                       std::to_string(opts_.max_list_pages) +
+                       " pages (S3Options::max_list_pages; a server that never ends its listing?)");
+      }
+      token = t;
+    }
+  }
+
   // Every object below `prefix` (all pages).
   Result<std::vector<std::pair<std::string, uint64_t>>> ListAll(const std::string& prefix) {
     ListPage page;
-    std::string token;
-    do {
-      page.truncated = false;
-      CAIRN_RETURN_IF_ERROR(List(prefix, "", token, 0, &page));
-      token = page.next_token;
-    } while (page.truncated);
+    CAIRN_RETURN_IF_ERROR(ListChecked(prefix, "", 0, &page));
     return std::move(page.objects);
   }
 
   // Whether anything (an object or a marker) lies below `prefix`.
   Result<bool> AnyBelow(const std::string& prefix) {
     ListPage page;
-    CAIRN_RETURN_IF_ERROR(List(prefix, "", "", 1, &page));
+    CAIRN_RETURN_IF_ERROR(ListChecked(prefix, "", 1, &page));
     return !page.objects.empty() || !page.prefixes.empty();
   }
 
@@ -370,9 +547,27 @@ class S3Storage final : public Storage {
     if (if_absent) c.headers.emplace_back("if-none-match", "*");
     Outcome o = Execute(c, "writing " + FullUri(full));
     if (o.resp.status == 412 && if_absent) {
+      // Our own earlier attempt may have been stored and only its answer
+      // lost: then the object holds exactly these bytes, and the write
+      // succeeded.
+      CAIRN_ASSIGN_OR_RETURN(bool ours, Holds(full, data, n));
+      if (ours) return Status::OK();
       return AlreadyExistsError(FullUri(full) + " already exists (written by another writer?)");
     }
     return o.status;
+  }
+
+  // Whether object `full` holds exactly the n bytes at `data` (reads at most
+  // n bytes of it).
+  Result<bool> Holds(const std::string& full, const char* data, size_t n) {
+    std::string stored(n, '\0');
+    Call c("GET", full);
+    c.dest = stored.data();
+    c.dest_len = n;
+    Outcome o = Execute(c, "reading back " + FullUri(full));
+    if (o.resp.dest_overflow || o.resp.status == 404) return false;
+    CAIRN_RETURN_IF_ERROR(o.status);
+    return o.resp.dest_written == n && std::memcmp(stored.data(), data, n) == 0;
   }
 
   Status DeleteObject(const std::string& full, const std::string& upload_id = {}) {
@@ -385,6 +580,14 @@ class S3Storage final : public Storage {
   }
 
   Status DeleteObjects(const std::vector<std::string>& keys) {
+    // Keys come from checked listings; still, nothing outside the storage's
+    // own prefix is ever deleted.
+    const std::string root = DirPrefix("");
+    for (const std::string& k : keys) {
+      if (k.compare(0, root.size(), root) != 0) {
+        return InternalError("refusing to delete " + Quote(FullUri(k)) + ": outside " + Uri(""));
+      }
+    }
     for (size_t i = 0; i < keys.size(); i += 1000) {
       std::string body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Delete><Quiet>true</Quiet>";
       for (size_t j = i; j < std::min(keys.size(), i + 1000); ++j) {
@@ -397,14 +600,12 @@ class S3Storage final : public Storage {
                    {"content-type", "application/xml"}};
       c.body = body.data();
       c.body_len = body.size();
-      Outcome o = Execute(c, "deleting objects below " + Uri(""));
-      CAIRN_RETURN_IF_ERROR(o.status);
-      if (o.resp.body.find("<Error>") != std::string::npos) {
-        pugi::xml_document doc;
-        doc.load_buffer(o.resp.body.data(), o.resp.body.size());
-        pugi::xml_node e = doc.child("DeleteResult").child("Error");
-        return IOError("deleting " + FullUri(e.child_value("Key")) + ": " + e.child_value("Code") +
-                       ": " + e.child_value("Message"));
+      pugi::xml_document doc;
+      CAIRN_ASSIGN_OR_RETURN(pugi::xml_node r, ExecuteXml(c, "deleting objects below " + Uri(""),
+                                                          "DeleteResult", &doc));
+      if (pugi::xml_node e = r.child("Error")) {
+        return IOError("deleting " + Quote(FullUri(e.child_value("Key"))) + ": " +
+                       Quote(e.child_value("Code"), 64) + ": " + Quote(e.child_value("Message")));
       }
     }
     return Status::OK();
@@ -417,7 +618,10 @@ class S3Storage final : public Storage {
     }
     Call c("PUT", to);
     c.headers = {{"x-amz-copy-source", "/" + bucket_ + "/" + s3::UriEncode(from, false)}};
-    return Execute(c, "copying " + FullUri(from) + " to " + FullUri(to)).status;
+    pugi::xml_document doc;  // a 200 can carry an error: only a result is one
+    return ExecuteXml(c, "copying " + FullUri(from) + " to " + FullUri(to), "CopyObjectResult",
+                      &doc)
+        .status();
   }
 
   // Fails unless `key` may become a file: not a directory, no parent a file.
@@ -458,6 +662,8 @@ class S3Storage final : public Storage {
       return NotFoundError("renaming " + Uri(from) + ": no such file or directory");
     TaskGroup group(&pool_);
     for (const auto& [k, size] : objects) {
+      // ListAll checked that every key starts with sp.
+      if (k.compare(0, sp.size(), sp) != 0) return InternalError("listed " + Quote(k));
       std::string target = dp + k.substr(sp.size());
       uint64_t sz = size;
       group.Run([this, k = k, target, sz] { return CopyObject(k, target, sz); });
@@ -503,24 +709,19 @@ class S3Storage final : public Storage {
     CAIRN_RETURN_IF_ERROR(ValidateKey(dir, true));
     const std::string prefix = DirPrefix(dir);
     std::vector<DirEntry> out;
-    bool found = false;
-    std::string token;
     ListPage page;
-    do {
-      page = ListPage();
-      CAIRN_RETURN_IF_ERROR(List(prefix, "/", token, 0, &page));
-      token = page.next_token;
-      found = found || !page.objects.empty() || !page.prefixes.empty();
-      for (const auto& [k, size] : page.objects) {
-        if (k.size() == prefix.size()) continue;  // the directory's own marker
-        out.push_back({k.substr(prefix.size()), false, size});
-      }
-      for (const auto& p : page.prefixes) {
-        std::string name = p.substr(prefix.size());
-        if (!name.empty() && name.back() == '/') name.pop_back();
-        if (!name.empty()) out.push_back({name, true, 0});
-      }
-    } while (page.truncated);
+    CAIRN_RETURN_IF_ERROR(ListChecked(prefix, "/", 0, &page));
+    const bool found = !page.objects.empty() || !page.prefixes.empty();
+    // ListChecked checked that every entry starts with `prefix`.
+    for (const auto& [k, size] : page.objects) {
+      if (k.size() == prefix.size()) continue;  // the directory's own marker
+      out.push_back({k.substr(prefix.size()), false, size});
+    }
+    for (const auto& p : page.prefixes) {
+      std::string name = p.substr(prefix.size());
+      if (!name.empty() && name.back() == '/') name.pop_back();
+      if (!name.empty()) out.push_back({name, true, 0});
+    }
     if (!found && !dir.empty()) return NotFoundError(Uri(dir) + ": no such directory");
     std::sort(out.begin(), out.end());
     return out;
@@ -551,27 +752,58 @@ class S3Storage final : public Storage {
     if (aborted) *aborted = 0;
     const std::string prefix = DirPrefix(dir);
     const std::time_t cutoff = std::time(nullptr) - static_cast<std::time_t>(older_than_s);
+    return ForEachUpload(
+        prefix,
+        [&](const std::string& key, const std::string& id, std::time_t initiated) -> Status {
+          if (initiated > cutoff) return Status::OK();
+          CAIRN_RETURN_IF_ERROR(DeleteObject(key, id));
+          if (aborted) ++*aborted;
+          return Status::OK();
+        });
+  }
+
+  // Calls fn(key, upload id, initiated) for every multipart upload in
+  // progress below `prefix` (upload listings are checked as ListChecked
+  // checks object listings: a key outside the prefix, a repeated marker or
+  // too many pages is an error, and nothing outside is ever aborted).
+  template <typename Fn>
+  Status ForEachUpload(const std::string& prefix, Fn fn) {
+    const std::string what = "listing uploads below " + FullUri(prefix);
+    const Clock::time_point deadline = OperationDeadline();
+    std::unordered_set<uint64_t> markers;
     std::string key_marker, id_marker;
-    for (;;) {
+    for (int pages = 1;; ++pages) {
       Call c("GET", "");
       c.query = {{"uploads", ""}, {"prefix", prefix}};
       if (!key_marker.empty()) c.query.emplace_back("key-marker", key_marker);
       if (!id_marker.empty()) c.query.emplace_back("upload-id-marker", id_marker);
+      c.max_body = kMaxListBody;
+      c.deadline = deadline;
       pugi::xml_document doc;
-      CAIRN_ASSIGN_OR_RETURN(pugi::xml_node r, ExecuteXml(c, "listing uploads below " + Uri(dir),
-                                                          "ListMultipartUploadsResult", &doc));
+      CAIRN_ASSIGN_OR_RETURN(pugi::xml_node r,
+                             ExecuteXml(c, what, "ListMultipartUploadsResult", &doc));
       for (pugi::xml_node u : r.children("Upload")) {
+        const std::string key = u.child_value("Key"), id = u.child_value("UploadId");
+        CAIRN_RETURN_IF_ERROR(CheckListed(prefix, "", key, false));
+        if (id.empty()) return IOError(what + ": an upload of " + Quote(key) + " without an id");
         std::tm tm{};
         const char* initiated = u.child_value("Initiated");
         if (!strptime(initiated, "%Y-%m-%dT%H:%M:%S", &tm)) continue;
-        if (timegm(&tm) > cutoff) continue;
-        CAIRN_RETURN_IF_ERROR(DeleteObject(u.child_value("Key"), u.child_value("UploadId")));
-        if (aborted) ++*aborted;
+        CAIRN_RETURN_IF_ERROR(fn(key, id, timegm(&tm)));
       }
       if (std::string_view(r.child_value("IsTruncated")) != "true") return Status::OK();
       key_marker = r.child_value("NextKeyMarker");
       id_marker = r.child_value("NextUploadIdMarker");
       if (key_marker.empty()) return Status::OK();
+      std::string both = key_marker + '\0' + id_marker;
+      if (both.size() > 2 * kMaxTokenBytes ||
+          !markers.insert(XXH3_64bits(both.data(), both.size())).second) {
+        return IOError(what + ": the server repeated (or sent an absurd) marker '" +
+                       Quote(key_marker, 64) + "' (a misbehaving server or proxy)");
+      }
+      if (pages >= opts_.max_list_pages) {
+        return IOError(what + ": more than " + std::to_string(opts_.max_list_pages) + " pages");
+      }
     }
   }
 
@@ -595,7 +827,11 @@ class S3Storage final : public Storage {
 class S3WritableFile final : public WritableFile {
  public:
   S3WritableFile(S3Storage* s, std::string full, std::string uri)
-      : s_(s), full_(std::move(full)), uri_(std::move(uri)), part_size_(s->options().part_size) {}
+      : s_(s),
+        full_(std::move(full)),
+        uri_(std::move(uri)),
+        part_size_(s->options().part_size),
+        deadline_(s->OperationDeadline()) {}
   ~S3WritableFile() override {
     if (!finished_) AbortUpload();
     for (char* b : spare_) std::free(b);
@@ -726,14 +962,37 @@ class S3WritableFile final : public WritableFile {
     if (!upload_id_.empty()) return Status::OK();
     Call c("POST", full_);
     c.query = {{"uploads", ""}};
+    c.deadline = deadline_;
+    c.expect_root = "InitiateMultipartUploadResult";
+    // Every create is one attempt of ours (curl would resend it unseen on a
+    // dead reused connection), so that attempts > 1 tells of orphans.
+    c.fresh_connection = true;
+    pugi::xml_document doc;
+    c.doc = &doc;
     Outcome o = s_->Execute(c, "starting the upload of " + uri_);
     CAIRN_RETURN_IF_ERROR(o.status);
-    pugi::xml_document doc;
-    doc.load_buffer(o.resp.body.data(), o.resp.body.size());
     upload_id_ = doc.child("InitiateMultipartUploadResult").child_value("UploadId");
     if (upload_id_.empty())
       return UnavailableError("starting the upload of " + uri_ + ": no UploadId");
+    if (o.attempts > 1) AbortOrphans();
     return Status::OK();
+  }
+
+  // A retried create may have created uploads whose answers were lost:
+  // abort every other upload in progress of this very key. Besides such
+  // orphans there can only be a killed writer's leftovers or a second writer
+  // of the same object at the same time, which could not both be kept
+  // anyway (its completion would replace this one's object). Not filtered
+  // by time: servers' Initiated times are not reliable (moto reports a
+  // fixed date). Best effort: what is left, AbortStaleUploads (cairn prune)
+  // removes.
+  void AbortOrphans() {
+    s_->ForEachUpload(full_,
+                      [&](const std::string& key, const std::string& id, std::time_t) -> Status {
+                        if (key != full_ || id == upload_id_) return Status::OK();
+                        return s_->DeleteObject(key, id);
+                      })
+        .IgnoreError();
   }
 
   std::string UploadId() {
@@ -747,6 +1006,7 @@ class S3WritableFile final : public WritableFile {
     c.query = {{"partNumber", std::to_string(idx + 1)}, {"uploadId", UploadId()}};
     c.body = part->buf;
     c.body_len = len;
+    c.deadline = deadline_;
     Outcome o = s_->Execute(c, "uploading part " + std::to_string(idx + 1) + " of " + uri_);
     CAIRN_RETURN_IF_ERROR(o.status);
     std::string etag = o.resp.headers["etag"];
@@ -760,6 +1020,38 @@ class S3WritableFile final : public WritableFile {
     }
     part->buf = nullptr;
     return Status::OK();
+  }
+
+  static std::string Unquote(std::string_view e) {
+    if (e.size() >= 2 && e.front() == '"' && e.back() == '"') e = e.substr(1, e.size() - 2);
+    return std::string(e);
+  }
+
+  // The ETag S3 gives the object completed from parts_[0, nparts): the MD5 of
+  // their MD5s, "-N"; nullopt when a part's ETag is no MD5 (e.g. SSE-KMS).
+  std::optional<std::string> MultipartEtag(uint64_t nparts) {
+    std::string digests;
+    for (uint64_t i = 0; i < nparts; ++i) {
+      std::string e = Unquote(parts_[i].etag);
+      if (e.size() != 32) return std::nullopt;
+      for (size_t j = 0; j < 32; j += 2) {
+        char* end = nullptr;
+        std::string byte = e.substr(j, 2);
+        long v = std::strtol(byte.c_str(), &end, 16);
+        if (*end != '\0') return std::nullopt;
+        digests.push_back(static_cast<char>(v));
+      }
+    }
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int len = 0;
+    EVP_Digest(digests.data(), digests.size(), md, &len, EVP_md5(), nullptr);
+    static const char kHex[] = "0123456789abcdef";
+    std::string out;
+    for (unsigned int i = 0; i < len; ++i) {
+      out.push_back(kHex[md[i] >> 4]);
+      out.push_back(kHex[md[i] & 15]);
+    }
+    return out + "-" + std::to_string(nparts);
   }
 
   void AbortUpload() {
@@ -810,7 +1102,21 @@ class S3WritableFile final : public WritableFile {
       c.headers = {{"content-type", "application/xml"}};
       c.body = body.data();
       c.body_len = body.size();
-      return s_->Execute(c, "completing the upload of " + uri_).status;
+      c.deadline = deadline_;
+      // Only a CompleteMultipartUploadResult is a success: a 200 whose body
+      // is an error, cut short or anything else is retried.
+      c.expect_root = "CompleteMultipartUploadResult";
+      pugi::xml_document doc;
+      c.doc = &doc;
+      Outcome o = s_->Execute(c, "completing the upload of " + uri_);
+      if (o.status.code() == StatusCode::kNotFound && o.attempts > 1) {
+        // NoSuchUpload after a retry: an earlier attempt may have completed
+        // it. It did if the object is the one these parts make.
+        std::optional<std::string> want = MultipartEtag(nparts);
+        auto info = s_->Head(full_);
+        if (want && info.ok() && *info && Unquote((*info)->etag) == *want) return Status::OK();
+      }
+      return o.status;
     }();
     bool abort = false;
     {
@@ -827,6 +1133,7 @@ class S3WritableFile final : public WritableFile {
   S3Storage* const s_;
   const std::string full_, uri_;
   uint64_t part_size_;
+  const Clock::time_point deadline_;  // of the whole upload (S3Options::operation_deadline_s)
   std::mutex mu_;
   std::map<uint64_t, Part> parts_;  // node-based: Part* stay valid
   static constexpr size_t kSpareBuffers = 32;
@@ -865,11 +1172,14 @@ class S3ReadableFile final : public ReadableFile {
     }
     if (n == 0) return Status::OK();
     const uint64_t range = s_->options().part_size;
-    if (n <= 2 * range) return Get(offset, out, n);
+    const Clock::time_point deadline = s_->OperationDeadline();
+    if (n <= 2 * range) return Get(offset, out, n, deadline);
     TaskGroup group(s_->pool());
     for (uint64_t done = 0; done < n; done += range) {
       uint64_t len = std::min<uint64_t>(range, n - done);
-      group.Run([this, offset, out, done, len] { return Get(offset + done, out + done, len); });
+      group.Run([this, offset, out, done, len, deadline] {
+        return Get(offset + done, out + done, len, deadline);
+      });
     }
     return group.Wait();
   }
@@ -895,13 +1205,13 @@ class S3ReadableFile final : public ReadableFile {
     std::vector<std::pair<char*, size_t>> pieces;
     pieces.reserve(segs.size());
     for (const Segment& s : segs) pieces.emplace_back(s.buf, s.n);
-    return Get(offset, nullptr, n, &pieces);
+    return Get(offset, nullptr, n, s_->OperationDeadline(), &pieces);
   }
 
   uint64_t PreferredReadSize() const override { return s_->options().part_size; }
 
  private:
-  Status Get(uint64_t offset, char* out, uint64_t n,
+  Status Get(uint64_t offset, char* out, uint64_t n, Clock::time_point deadline,
              const std::vector<std::pair<char*, size_t>>* scatter = nullptr) const {
     Call c("GET", full_);
     c.headers = {
@@ -910,6 +1220,7 @@ class S3ReadableFile final : public ReadableFile {
     c.dest = out;
     c.dest_len = n;
     c.scatter = scatter;
+    c.deadline = deadline;
     Outcome o = s_->Execute(c, "reading " + uri_);
     if (o.resp.status == 412) {
       return FailedPreconditionError(uri_ + ": replaced while it was being read");
@@ -1004,6 +1315,8 @@ S3Options S3OptionsFromEnvironment() {
   o.connect_timeout_s = EnvDouble("CAIRN_S3_CONNECT_TIMEOUT_S", o.connect_timeout_s);
   o.stall_timeout_s = EnvDouble("CAIRN_S3_STALL_TIMEOUT_S", o.stall_timeout_s);
   o.sign_payload = Env("CAIRN_S3_SIGN_PAYLOAD") == "1";
+  o.operation_deadline_s = EnvDouble("CAIRN_S3_OPERATION_DEADLINE_S", o.operation_deadline_s);
+  o.content_md5 = Env("CAIRN_S3_CONTENT_MD5") != "0";
   return o;
 }
 
@@ -1030,6 +1343,10 @@ Result<std::unique_ptr<Storage>> NewS3Storage(std::string_view uri, const S3Opti
                                 " is below S3's minimum of 5 MiB");
   }
   if (opts.max_attempts < 1) return InvalidArgumentError("S3 max_attempts must be >= 1");
+  if (opts.max_list_pages < 1) return InvalidArgumentError("S3 max_list_pages must be >= 1");
+  if (!(opts.operation_deadline_s > 0)) {
+    return InvalidArgumentError("S3 operation_deadline_s must be > 0");
+  }
   const std::string what = "opening " + std::string(uri);
   s3::AddressingStyle style;
   if (opts.addressing_style.empty() || opts.addressing_style == "auto") {
