@@ -134,6 +134,14 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def one_peer(peer: str, ranks: int, size_mb: float, reps: int, scratch: Path,
              timeout: float) -> dict:
     marker = uuid.uuid4().hex
@@ -143,42 +151,38 @@ def one_peer(peer: str, ranks: int, size_mb: float, reps: int, scratch: Path,
     tmpdir.mkdir()
     out = scratch / f"{peer}-{ranks}r"
     before = listing()
-    saved = run_phase(peer, "save", ranks, size_mb, reps, root, out, marker, True, timeout,
-                      tmpdir)
-    shm_dirs = saved[0].get("shm_dirs", [])
-    time.sleep(0.5)
-    orphans = marked_pids(marker)
-    after_kill = {"processes": len(orphans), **new_entries(before, shm_dirs, tmpdir)}
-    # The restart comes after the node's orphans are gone, as when a node or container
-    # is restarted (DLRover's saver outlives its SIGKILLed trainer under plain python,
-    # and a restarted DdpCheckpointer then waits 60 s for its sockets and fails).
-    for pid in orphans:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    restored = run_phase(peer, "restore", ranks, size_mb, reps, root, out, marker, False,
-                         timeout, tmpdir)
-    time.sleep(0.5)
-    left_pids = marked_pids(marker)
-    after_close = {"processes": len(left_pids), **new_entries(before, shm_dirs, tmpdir)}
-    # Clean up what the sessions left (ours only).
-    for pid in left_pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for top, names in new_entries(before, shm_dirs, tmpdir).items():
-        if top == "TMPDIR":
-            continue
-        for n in names:
-            path = os.path.join(top, n)
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                Path(path).unlink(missing_ok=True)
-    shutil.rmtree(root, ignore_errors=True)
-    shutil.rmtree(tmpdir, ignore_errors=True)
+    shm_dirs: list[str] = []
+    try:
+        saved = run_phase(peer, "save", ranks, size_mb, reps, root, out, marker, True,
+                          timeout, tmpdir)
+        shm_dirs = saved[0].get("shm_dirs", [])
+        time.sleep(0.5)
+        orphans = marked_pids(marker)
+        after_kill = {"processes": len(orphans), **new_entries(before, shm_dirs, tmpdir)}
+        # The restart comes after the node's orphans are gone, as when a node or
+        # container is restarted (DLRover's saver outlives its SIGKILLed trainer under
+        # plain python, and a restarted DdpCheckpointer then waits 60 s for its sockets
+        # and fails).
+        _kill(orphans)
+        restored = run_phase(peer, "restore", ranks, size_mb, reps, root, out, marker,
+                             False, timeout, tmpdir)
+        time.sleep(0.5)
+        after_close = {"processes": len(marked_pids(marker)),
+                       **new_entries(before, shm_dirs, tmpdir)}
+    finally:
+        # Clean up what the sessions left (ours only).
+        _kill(marked_pids(marker))
+        for top, names in new_entries(before, shm_dirs, tmpdir).items():
+            if top == "TMPDIR":
+                continue
+            for n in names:
+                path = os.path.join(top, n)
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    Path(path).unlink(missing_ok=True)
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(tmpdir, ignore_errors=True)
     s0 = saved[0]
     steady = s0["saves"][1:]
     return {
@@ -238,12 +242,12 @@ def chart(result: dict, path: Path) -> None:
                ("restore_disk_s", "restore from disk, cold (s)", fl["direct-I/O read"],
                 "direct-I/O read"),
                ("extra_bytes", "peak extra memory (GB)", fl["bytes"] / 1e9, "state size")]
-    configs = sorted({r["ranks"] for r in result["rows"]})
+    configs = sorted({r["ranks"] for r in result["rows"] if "failed" not in r})
     fig, axes = plt.subplots(len(configs), len(figures) + 1,
                              figsize=(4 * (len(figures) + 1), 3.4 * len(configs)),
                              squeeze=False)
     for ci, ranks in enumerate(configs):
-        rows = [r for r in result["rows"] if r["ranks"] == ranks]
+        rows = [r for r in result["rows"] if r["ranks"] == ranks and "failed" not in r]
         for fi, (key, title, floor, fname) in enumerate(figures):
             ax = axes[ci][fi]
             vals = [(r[key] or 0) / (1e9 if key == "extra_bytes" else 1) for r in rows]
@@ -311,7 +315,13 @@ def main(argv=None) -> int:
         for ranks in [int(x) for x in args.ranks.split(",")]:
             for peer in names:
                 t0 = time.time()
-                row = one_peer(peer, ranks, args.size_mb, args.reps, scratch, args.timeout)
+                try:
+                    row = one_peer(peer, ranks, args.size_mb, args.reps, scratch,
+                                   args.timeout)
+                except RuntimeError as e:  # reported as a failed row, the others go on
+                    print(f"{peer:14s} {ranks}r FAILED: {str(e)[-2000:]}", flush=True)
+                    rows.append({"peer": peer, "ranks": ranks, "failed": str(e)[-4000:]})
+                    continue
                 rows.append(row)
                 print(f"{peer:14s} {ranks}r stall {row['stall_s'] * 1e3:9.2f} ms  durable "
                       f"{row['durable_s']:7.3f} s  restore {row['restore_tier']} "

@@ -25,6 +25,10 @@ import torch
 import torch.distributed as dist
 from dlrover.trainer.torch.flash_checkpoint.checkpointer import StorageType
 from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
+# The saver process (forked at DdpCheckpointer()) imports this module once it is told
+# which saver to create, and the trainer gives it 60 s to open its sockets; on a loaded
+# machine that import alone can take longer. Imported here, the fork inherits it.
+import dlrover.python.elastic_agent.torch.ckpt_saver  # noqa: F401,E402
 
 from ._fsync import fsync_tree
 
