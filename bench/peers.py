@@ -113,13 +113,18 @@ def run_phase(peer: str, phase: str, ranks: int, size_mb: float, reps: int, root
                PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", TMPDIR=str(tmpdir))
     for r in range(ranks):
         Path(f"{out}.rank{r}.json").unlink(missing_ok=True)
-    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        log, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        log, _ = p.communicate()
+    # The log goes to a file, not a pipe: a helper process the peer leaves running
+    # (DLRover's saver) inherits it and would keep a pipe open.
+    log_path = Path(f"{out}.{phase}.log")
+    with open(log_path, "wb") as logf:
+        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    log = log_path.read_bytes()
     results = []
     for r in range(ranks):
         f = Path(f"{out}.rank{r}.json")
@@ -211,6 +216,7 @@ def floors(size_mb: float, scratch: Path, reps: int) -> dict:
     from bench.peers.worker import build_state, nbytes
     from cairn import _measure
 
+    torch.set_num_threads(1)  # as in the sessions; OpenMP workers spin on a busy machine
     state = build_state(size_mb)
     ctx = types.SimpleNamespace(state=state, nbytes=nbytes(state), scratch=scratch,
                                 drop_caches=True, dropped=False)
@@ -285,6 +291,43 @@ def chart(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+def markdown(result: dict) -> str:
+    """The result as bench/README.md's tables (one per rank count)."""
+    fl = result["floors"]
+    lines = [f"State {result['bytes'] / 1e6:.0f} MB in {result['ntensors']} tensors per rank; "
+             f"medians of {result['reps']} saves (a first save apart); load average "
+             f"{result['loadavg'][0]:.1f} on {result['cpus']} CPUs; {result['time']}.",
+             "",
+             f"Floors: copy {fl['copy'] * 1e3:.1f} ms (memcpy {fl['memcpy'] * 1e3:.1f}, "
+             f"Tensor.copy_ {fl['Tensor.copy_'] * 1e3:.1f}), direct-I/O write "
+             f"{fl['direct-I/O write']:.3f} s, parallel direct-I/O read "
+             f"{fl['direct-I/O read']:.3f} s.", ""]
+    for ranks in sorted({r["ranks"] for r in result["rows"]}):
+        lines += [f"{ranks} rank(s):", "",
+                  "| peer | stall ms | durable s | restore after SIGKILL (tier) s | restore "
+                  "from disk, cold s | peak extra MB | first save: stall ms / durable s "
+                  "| left after SIGKILL | left after restart + close |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in [r for r in result["rows"] if r["ranks"] == ranks]:
+            if "failed" in r:
+                lines.append(f"| {r['peer']} | failed: {r['failed'][-200:]!r} |||||||")
+                continue
+
+            def left(d):
+                parts = [f"{d['processes']} processes"] if d["processes"] else []
+                parts += [f"{k}/{n}" for k in ("/dev/shm", "/tmp") for n in d[k]]
+                return ", ".join(parts) or "nothing"
+            lines.append(
+                f"| {r['peer']} {r['version']}{' (patched)' if r['patch'] else ''} | "
+                f"{r['stall_s'] * 1e3:.1f} | {r['durable_s']:.3f} | "
+                f"{r['restore_fast_s']:.3f} ({r['restore_tier']}) | {r['restore_disk_s']:.3f} | "
+                f"{r['extra_bytes'] / 1e6:.0f} | {r['first_save']['stall_s'] * 1e3:.1f} / "
+                f"{r['first_save']['durable_s']:.2f} | {left(r['left_after_kill'])} | "
+                f"{left(r['left_after_close'])} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-mb", type=float, default=100)
@@ -294,7 +337,14 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--no-chart", action="store_true")
+    ap.add_argument("--render", type=Path, metavar="JSON",
+                    help="print an earlier run's tables (markdown) and redraw its chart")
     args = ap.parse_args(argv)
+    if args.render:
+        result = json.loads(args.render.read_text())
+        print(markdown(result))
+        chart(result, args.render.with_suffix(".png"))
+        return 0
     from bench import peers as registry
     from bench.peers.worker import build_state, leaves
 
