@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "python"))
+# CAIRN_TREE: another checkout's python/ to time (e.g. before a change), default this one.
+sys.path.insert(0, str(Path(os.environ.get("CAIRN_TREE", REPO)) / "python"))
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
@@ -72,6 +73,7 @@ def main() -> int:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    print(f"rank {rank}: cairn from {cairn.__file__}", flush=True) if rank == 0 else None
     state = build_state(args.size_mb)
     nbytes = sum(t.numel() * t.element_size() for t in leaves(state))
     dst = like(state)
