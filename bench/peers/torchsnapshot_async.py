@@ -2,7 +2,8 @@
 returns a PendingSnapshot once the state is staged in host memory; ``wait()``
 returns once it is written; ``Snapshot(path).restore(app_state)`` loads in place.
 DDP: every rank takes part, ``replicated=["**"]`` writes replicated tensors once.
-No memory tier: the fastest restore is from disk."""
+No memory tier: the fastest restore is from disk. torchsnapshot does not fsync what it
+writes (no fsync in the package): ``wait()`` fsyncs the snapshot's files (counted)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import torch.distributed as dist
 import torchsnapshot
 from torchsnapshot import Snapshot, StateDict
+
+from ._fsync import fsync_tree
 
 
 class TorchSnapshotAsync:
@@ -39,7 +42,10 @@ class TorchSnapshotAsync:
     def wait(self) -> None:
         self.pending.wait()
         self.pending = None
+        if dist.is_initialized():
+            dist.barrier()  # every rank's files are written
         if not dist.is_initialized() or dist.get_rank() == 0:
+            fsync_tree(Path(self._path(self.step)))
             (self.root / "latest").write_text(str(self.step))  # the user's pointer
 
     def _latest(self) -> str:
