@@ -82,7 +82,7 @@ def listing() -> dict[str, set[str]]:
 # itself is a hard-coded path (DLRover's /tmp/ckpt_sock); the private TMPDIR's
 # leftovers are counted apart.
 def attributable(name: str, shm_dirs: list[str]) -> bool:
-    return (name.startswith(("ckpt_shm_", "ckpt_sock", "ckpt_lock"))
+    return ("ckpt_shm_" in name or name.startswith(("ckpt_sock", "ckpt_lock"))
             or any(os.path.basename(d) == name for d in shm_dirs))
 
 
@@ -365,13 +365,19 @@ def main(argv=None) -> int:
         for ranks in [int(x) for x in args.ranks.split(",")]:
             for peer in names:
                 t0 = time.time()
-                try:
-                    row = one_peer(peer, ranks, args.size_mb, args.reps, scratch,
-                                   args.timeout)
-                except RuntimeError as e:  # reported as a failed row, the others go on
-                    print(f"{peer:14s} {ranks}r FAILED: {str(e)[-2000:]}", flush=True)
-                    rows.append({"peer": peer, "ranks": ranks, "failed": str(e)[-4000:]})
+                row, failures = None, []
+                for attempt in range(2):  # a session that failed is retried once
+                    try:
+                        row = one_peer(peer, ranks, args.size_mb, args.reps, scratch,
+                                       args.timeout)
+                        break
+                    except RuntimeError as e:
+                        print(f"{peer:14s} {ranks}r FAILED: {str(e)[-2000:]}", flush=True)
+                        failures.append(str(e)[-4000:])
+                if row is None:  # reported as a failed row, the others go on
+                    rows.append({"peer": peer, "ranks": ranks, "failed": failures[-1]})
                     continue
+                row["failed_attempts"] = failures
                 rows.append(row)
                 print(f"{peer:14s} {ranks}r stall {row['stall_s'] * 1e3:9.2f} ms  durable "
                       f"{row['durable_s']:7.3f} s  restore {row['restore_tier']} "

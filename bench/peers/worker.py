@@ -208,7 +208,7 @@ def phase_save(args, cls, state) -> dict:
     barrier()
     trim()
     sampler_shm = lambda: [p for p in adapter.shm_dirs() if p != "/dev/shm"] or (
-        [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith("ckpt_shm_")]
+        [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if "ckpt_shm_" in n]
         if "/dev/shm" in adapter.shm_dirs() else [])
     base = Sampler(sampler_shm).value()
     saves = []
