@@ -48,6 +48,7 @@ class DlroverFlash:
     version = VERSION
     patch = None
     fastest_tier = "memory (/dev/shm), only under dlrover-run"
+    open_before_state = True  # see bench/peers/worker.py main()
 
     def __init__(self, root: Path):
         self.root = Path(root) / "dlrover"
