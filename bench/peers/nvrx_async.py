@@ -13,9 +13,10 @@ Nothing else is changed; the figures in bench/README.md say so.
 
 FINDING (CPU): the scheduling step "preloads" tensors with ``t.to("cpu")``, which
 for a CPU tensor is the tensor itself, and hands them to the worker through a
-multiprocessing queue, which shares their storage rather than copying it. A save
-therefore changes when training changes the tensors after ``async_save`` returned:
-see ``shares_tensors()``. Its stall is thus not a copy's; the figures mark it.
+multiprocessing queue, which (from its feeder thread, after the call returned) moves
+their storage into shared memory and sends it by reference rather than copying it. What the worker writes is whatever the tensors hold
+when it gets to them: a change training makes after ``async_save`` returned may or may
+not reach the file (a race; both seen), see ``shares_tensors()``. Its stall is thus not a copy's; the figures mark it.
 
 torch.save does not fsync: ``wait()`` fsyncs the file (counted in the figure)."""
 
@@ -102,16 +103,25 @@ class NvrxAsync:
         self.ckpt.finalize_async_save(blocking=True, no_dist=False, terminate=True)
 
 
-def shares_tensors(root: Path) -> bool:
-    """True when a tensor changed right after async_save() returned reaches the file
-    changed (the save did not snapshot it)."""
+def shares_tensors(root: Path) -> dict:
+    """How NVRx's CPU queue hands a tensor to its worker: {"same_storage": its
+    "preload" returns the caller's storage itself (no copy), "moved_to_shm": whether,
+    right after async_save() returned, the caller's tensor is already in shared memory
+    (the queue's feeder thread pickles it later, so often not yet), "change_reached_file": whether a change made right after
+    async_save() returned is in the file (a race with the worker: either outcome has
+    been seen)}."""
+    from nvidia_resiliency_ext.checkpointing.utils import preload_tensors
+
     a = NvrxAsync(root)
     try:
-        t = torch.zeros(1 << 20)
+        t = torch.zeros(1 << 22)
+        same = preload_tensors({"t": t})["t"].data_ptr() == t.data_ptr()
         a.save(1, {"t": t})
+        moved = t.is_shared()
         t.add_(1.0)  # training changes the state after the save returned
         a.wait()
         saved = torch.load(a._path(1), weights_only=False)["t"]
-        return bool(saved.eq(1.0).all())
+        return {"same_storage": same, "moved_to_shm": moved,
+                "change_reached_file": bool(saved.eq(1.0).any())}
     finally:
         a.close()

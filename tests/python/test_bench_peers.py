@@ -47,15 +47,20 @@ def test_adapter_smoke(peer, tmp_path):
 
 def test_nvrx_cpu_queue_shares_tensors(tmp_path):
     """The correctness finding bench/README.md reports: on CPU, NVRx's persistent
-    async queue saves the tensors themselves, so a change made after async_save()
-    returned reaches the file."""
+    async queue does not copy the tensors it saves (its preload returns the caller's
+    storage, which the queue moves to shared memory and sends by reference), so a
+    change made after async_save() returned races with the worker's write."""
     code = ("if __name__ == '__main__':\n"
             "    import sys\n"
             "    from pathlib import Path\n"
             "    sys.path.insert(0, sys.argv[1])\n"
             "    from bench.peers.nvrx_async import shares_tensors\n"
-            "    print('SHARES' if shares_tensors(Path(sys.argv[2])) else 'COPIES')\n")
+            "    import json\n"
+            "    print(json.dumps(shares_tensors(Path(sys.argv[2]))))\n")
     r = subprocess.run([str(PEERS_PY), "-W", "ignore", "-c", code, str(REPO), str(tmp_path)],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == "SHARES", r.stdout
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    # Deterministic: the scheduled save holds the caller's storage, not a copy (whether
+    # the later change lands in the file is a race; both outcomes have been seen).
+    assert found["same_storage"], found
