@@ -575,11 +575,22 @@ class CheckpointManager:
         flat, mappings = flatten_state_dict(sd)
         cache = self._plan_cache
         hit = cache is not None and cache.matches(flat, mappings)
-        if self._dist:  # every rank stages without DCP, or none does
-            hit = self._all(hit)
-        if hit:
-            writer = self._stage_planned(cache, slot, flat, mappings)
+        writer, err = self._stage_planned(cache, slot, flat, mappings) if hit else (None, None)
+        if self._dist:
+            # One all-reduce agrees on both: every rank staged with the cached plan (else
+            # all save through DCP, re-staging the not yet committed slot), and every
+            # rank's staging succeeded (else the save fails on every rank, as in dcp.save).
+            hit, ok = self._all(hit, err is None)
         else:
+            ok = err is None
+        if hit and not ok:
+            self._release_slot()
+            if err is not None:
+                raise err
+            raise Error("staging failed on another rank; this save was not started")
+        if not hit:
+            if writer is not None:
+                self._release_slot()  # staged with the old plan: staged again below
             self._plan_cache = None
             writer = _StagingWriter(self, slot)
             try:
@@ -601,10 +612,10 @@ class CheckpointManager:
         return goes_durable
 
     def _stage_planned(self, cache: _PlanCache, slot: int, flat: dict[str, Any],
-                       mappings: Any) -> _StagingWriter:
+                       mappings: Any) -> tuple[_StagingWriter, BaseException | None]:
         """Stages `flat` with the cached plan: what dcp.save would do for a state of
-        this structure, without its planning. With several ranks, a staging error on
-        any rank fails the save on every rank (one all-reduce), as in dcp.save."""
+        this structure, without its planning. Returns (writer, the staging error or
+        None); save() agrees on the outcome with the other ranks."""
         writer = _StagingWriter(self, slot)
         writer.is_coordinator = self.is_coordinator
         planner = DefaultSavePlanner()
@@ -620,22 +631,18 @@ class CheckpointManager:
             writer.plan = cache.plan
             writer.stage(sources)
             del sources
-        except BaseException as e:  # noqa: BLE001 - agreed on below
+        except BaseException as e:  # noqa: BLE001 - agreed on in save()
             err = e
-        ok = self._all(err is None) if self._dist else err is None
-        if err is not None or not ok:
-            self._release_slot()
-            if err is not None:
-                raise err
-            raise Error("staging failed on another rank; this save was not started")
         writer.plans, writer.metadata = cache.plans, cache.metadata
-        return writer
+        return writer, err
 
-    def _all(self, flag: bool) -> bool:
-        """Whether `flag` holds on every rank of the checkpoint group."""
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    def _all(self, *flags: bool) -> Any:
+        """Whether each of `flags` holds on every rank of the checkpoint group (one
+        all-reduce): a bool for one flag, a tuple for several."""
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
-        return bool(t.item())
+        out = tuple(bool(x) for x in t.tolist())
+        return out[0] if len(out) == 1 else out
 
     def _release_slot(self) -> None:
         if self._slot_held is not None:

@@ -1,0 +1,104 @@
+"""DLRover 0.6.1 Flash Checkpoint (dlrover/trainer/torch/flash_checkpoint, docs:
+docs/blogs/flash_checkpoint.md): ``DdpCheckpointer(dir).save_checkpoint(step, state,
+storage_type=StorageType.DISK)`` copies the state into shared memory (local rank 0
+only: DDP's state is replicated) and returns; a saver process (forked by local
+rank 0 under plain python/torchrun, the agent under ``dlrover-run``) writes it with
+torch.save and then the tracker file ``dlrover_latest.txt``.
+``load_checkpoint()`` reads the shared memory first, else the newest file.
+
+Durable: the saver fsyncs the tracker file but not the ``.pt`` it wrote
+(storage.PosixDiskStorage.write_state_dict calls torch.save as is), so ``wait()``
+polls the tracker every 5 ms (its own ``wait_latest_checkpoint`` polls every 3 s)
+and then fsyncs the checkpoint directory's files; that fsync is in the figure.
+Restore from memory after a SIGKILL needs ``dlrover-run`` (its agent keeps the
+shared memory); under plain python the restarted process's new saver starts with
+empty shared memory, so ``restore`` reports the tier it actually read."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import dlrover  # noqa: F401
+import torch
+import torch.distributed as dist
+from dlrover.trainer.torch.flash_checkpoint.checkpointer import StorageType
+from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
+# The saver process (forked at DdpCheckpointer()) imports this module once it is told
+# which saver to create, and the trainer gives it 60 s to open its sockets; on a loaded
+# machine that import alone can take longer. Imported here, the fork inherits it.
+import dlrover.python.elastic_agent.torch.ckpt_saver  # noqa: F401,E402
+
+from ._fsync import fsync_tree
+
+try:
+    from importlib.metadata import version as _v
+    VERSION = _v("dlrover")
+except Exception:  # pragma: no cover
+    VERSION = "?"
+
+
+def _unwrap(sd: dict) -> dict:
+    return sd.get("model_states", sd) if isinstance(sd, dict) else sd
+
+
+class DlroverFlash:
+    name = "dlrover"
+    version = VERSION
+    patch = None
+    fastest_tier = "memory (/dev/shm), only under dlrover-run"
+    open_before_state = True  # see bench/peers/worker.py main()
+
+    def __init__(self, root: Path):
+        self.root = Path(root) / "dlrover"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.ckpt = DdpCheckpointer(str(self.root))
+        self.step = None
+
+    def shm_dirs(self) -> list[str]:
+        return ["/dev/shm"]  # its segments are named by local rank, not by run
+
+    def save(self, step: int, state: dict) -> None:
+        self.ckpt.save_checkpoint(step, state, storage_type=StorageType.DISK)
+        self.step = step
+
+    def wait(self) -> None:
+        tracker = self.root / "dlrover_latest.txt"
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if int(tracker.read_text().strip() or -1) == self.step:
+                    break
+            except (FileNotFoundError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"dlrover did not persist step {self.step}")
+            time.sleep(0.005)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            fsync_tree(self.root / str(self.step))
+        if dist.is_initialized():
+            dist.barrier()
+
+    def restore(self, dest: dict) -> str:
+        engine = self.ckpt._engine
+        step, sd = engine.get_state_dict_from_memory()
+        if sd:
+            from . import copy_into
+            copy_into(dest, _unwrap(sd[list(sd)[0]]) if len(sd) == 1 else _unwrap(sd))
+            return "memory"
+        self.restore_disk(dest)
+        return "disk"
+
+    def restore_disk(self, dest: dict) -> None:
+        from . import copy_into
+        step = int((self.root / "dlrover_latest.txt").read_text().strip())
+        sd = torch.load(self.root / str(step) / "rank_0.pt", map_location="cpu",
+                        weights_only=False)
+        copy_into(dest, _unwrap(sd))
+
+    def close(self) -> None:
+        try:
+            self.ckpt._engine.close()
+        except Exception:
+            pass
