@@ -68,8 +68,10 @@ class Counter:
 
 
 def values_of(step: int, rank: int) -> dict:
-    """What a save of `step` holds on `rank`, as plain Python for comparison."""
-    return {"w": [float(step) + rank / 8 + i / 1024 for i in range(4)], "epoch": step,
+    """What a save of `step` holds on `rank`, as plain Python for comparison: "w" is
+    replicated (the same on every rank: DCP saves one copy), "mine" is the rank's."""
+    return {"w": [float(step) + i / 1024 for i in range(4)],
+            "mine": [float(step) + rank / 8 + i for i in range(4)], "epoch": step,
             "tag": f"step-{step}", "nested": {"step": step, "seen": [step, step * 2]},
             "counter": step}
 
@@ -79,14 +81,16 @@ def state_of(step: int, rank: int) -> dict:
     v = values_of(step, rank)
     c = Counter()
     c.n = v["counter"]
-    w = float(step) + rank / 8 + torch.arange(4096, dtype=torch.float32) / 1024
-    return {"w": w, "epoch": v["epoch"], "tag": v["tag"],
+    w = float(step) + torch.arange(4096, dtype=torch.float32) / 1024
+    mine = float(step) + rank / 8 + torch.arange(4, dtype=torch.float64)
+    return {"w": w, f"mine{rank}": mine, "epoch": v["epoch"], "tag": v["tag"],
             "nested": {"step": v["nested"]["step"], "seen": list(v["nested"]["seen"])},
             "counter": c}
 
 
-def observed(state: dict) -> dict:
-    return {"w": [float(x) for x in state["w"][:4]], "epoch": state["epoch"],
+def observed(state: dict, rank: int) -> dict:
+    return {"w": [float(x) for x in state["w"][:4]],
+            "mine": [float(x) for x in state[f"mine{rank}"]], "epoch": state["epoch"],
             "tag": state["tag"], "nested": state["nested"], "counter": state["counter"].n}
 
 
@@ -152,11 +156,12 @@ def worker(plan: dict) -> None:
         commits.flush()
 
     mgr = cairn.CheckpointManager(plan["root"], memory=True, keep=2, timeout=120)
-    blank = {"w": torch.zeros(4096), "epoch": -1, "tag": "", "nested": {"step": -1,
+    blank = {"w": torch.zeros(4096), f"mine{rank}": torch.zeros(4, dtype=torch.float64),
+             "epoch": -1, "tag": "", "nested": {"step": -1,
              "seen": [0, 0]}, "counter": Counter()}
     restored = mgr.restore(blank)
     out = {"restored": restored, "tier": mgr.restored and mgr.restored[1],
-           "values": observed(blank) if restored is not None else None}
+           "values": observed(blank, rank) if restored is not None else None}
     with open(os.path.join(plan["workdir"], f"life{plan['life']}.r{rank}.json"), "w") as f:
         json.dump(out, f)
     start = (restored or 0) + 1
