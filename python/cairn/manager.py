@@ -490,6 +490,8 @@ class CheckpointManager:
         self.keep = keep
         self.allow_pickle = bool(allow_pickle)
         self._values_checked: set[str] = set()  # keys _value_source checked
+        self._warm_slots: set[int] = set()  # slots this process has mapped and faulted
+        self._prefault_job: threading.Event | None = None  # _prefault_next's
         self.keep_local = keep_local or keep or 3
         self.memory = bool(memory)
         # The tiers' URIs (checked apart), discovery, slot choice, retention (C++).
@@ -645,6 +647,8 @@ class CheckpointManager:
         if not isinstance(state, dict):
             raise InvalidArgumentError("state must be a dict of tensors and Statefuls")
         self.wait()  # the save in flight, and prepare()'s pre-faulting
+        if not self._join_prefault_job():
+            raise TimeoutError(f"staging slot still being pre-faulted after {self.timeout:.0f}s")
         self._saves += 1
         goes_durable = durable if durable is not None else (self._saves % self.durable_every == 0)
         slot = self._next_slot
@@ -663,6 +667,8 @@ class CheckpointManager:
                     started=time.perf_counter(), on_durable=on_durable if goes_durable else None)
         self._inflight = rec
         rec.done = self._background.submit(self._persist, rec)
+        self._warm_slots.add(slot)
+        self._prefault_next(rec)
         return goes_durable
 
     def _stage(self, step: int, slot: int, state: dict[str, Any]) -> _StagingWriter:
@@ -955,6 +961,7 @@ class CheckpointManager:
         """Frees what the manager holds: its threads, the staging pool's mappings, the
         memory tier (unless it holds the newest step, _memory_holds_newest) and the
         lease. `collective`: the ranks meet once first (close()), not at exit."""
+        self._join_prefault_job()  # it maps a slot: before the pool closes
         self._background.close()
         if self._stager_obj is not None:
             try:
@@ -1056,6 +1063,7 @@ class CheckpointManager:
         bound = min(self.timeout, 60.0)
         rec = self._inflight
         busy = rec is not None and rec.done is not None and not rec.done.wait(bound)
+        busy = busy or not self._join_prefault_job(bound)
         if self._prefault_thread is not None:
             self._prefault_thread.join(bound)
             busy = busy or self._prefault_thread.is_alive()
@@ -1282,18 +1290,56 @@ class CheckpointManager:
             nbytes = int(_ext.staged_bytes(lengths)) if lengths else 0
         if nbytes <= 0:
             return
-        slot = self._next_slot
+        self._start_prefault(self._next_slot, nbytes)
 
+    def _start_prefault(self, slot: int, nbytes: int) -> None:
+        """Creates and pre-faults `slot` (>= `nbytes`) on a thread that the next
+        save(), wait() or close() joins, and the exit hook too (a daemon thread still
+        in C++ when the interpreter finalizes aborts it)."""
         def run() -> None:
             try:
                 self._budget.check(slot, nbytes)
                 self._pool.acquire_slot(slot, nbytes)
                 self._pool.release(slot)
+                self._warm_slots.add(slot)
             except BaseException as e:  # noqa: BLE001 - the save reports it
                 log.info("cairn: pre-faulting staging slot %d: %s", slot, e)
 
         self._prefault_thread = threading.Thread(target=run, name="cairn-prefault", daemon=True)
         self._prefault_thread.start()
+
+    def _prefault_next(self, rec: _Save) -> None:
+        """After save `rec`: pre-faults the next save's slot when this process has not
+        mapped it yet (the second slot of a run, the restored one), so that its first
+        save stalls no longer than a steady one. Queued on the background thread
+        behind `rec`'s persistence, which it does not delay; the next save() waits
+        for it. It runs only once `rec` is committed in the memory tier: until then
+        the next slot may hold the newest step, and growing its file would damage it."""
+        slot = self._next_slot
+        if not self.memory or slot in self._warm_slots or slot == rec.slot:
+            return
+
+        def job() -> None:
+            if rec.error is not None or "memory" not in rec.tiers_done:
+                return
+            try:
+                self._budget.check(slot, int(rec.writer.capacity))
+                self._pool.acquire_slot(slot, int(rec.writer.capacity))
+                self._pool.release(slot)
+                self._warm_slots.add(slot)
+            except BaseException as e:  # noqa: BLE001 - the save reports it
+                log.info("cairn: pre-faulting staging slot %d: %s", slot, e)
+
+        self._prefault_job = self._background.submit(job)
+
+    def _join_prefault_job(self, timeout: float | None = None) -> bool:
+        """Waits for _prefault_next's job; whether it is done."""
+        job = self._prefault_job
+        if job is not None:
+            if not job.wait(self.timeout if timeout is None else timeout):
+                return False
+            self._prefault_job = None
+        return True
 
     def _plan_ahead(self, state: dict[str, Any]) -> None:
         """Plans a save of `state` now (DCP's planning, nothing staged), so the first

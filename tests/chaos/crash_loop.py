@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="/tmp/cairn-crash-loop")
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--json", help="write the summary here")
+    p.add_argument("--endings", default=",".join(ENDINGS),
+                   help="the endings to draw from, round-robin (default: all)")
     a = p.parse_args(argv)
     seed = a.seed if a.seed is not None else int(time.time())
     rng = random.Random(seed)
@@ -325,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     from cairn.manager import memory_tier_name
     shm = os.path.join("/dev/shm", memory_tier_name(os.path.abspath(a.root)))
     print(f"[crash-loop] seed {seed}; {a.lives} lives on {a.ranks} rank(s)", flush=True)
-    endings = [ENDINGS[i % len(ENDINGS)] for i in range(a.lives)]
+    pool = a.endings.split(",")
+    if set(pool) - set(ENDINGS):
+        p.error(f"unknown endings {sorted(set(pool) - set(ENDINGS))}; choose from {ENDINGS}")
+    endings = [pool[i % len(pool)] for i in range(a.lives)]
     rng.shuffle(endings)
     endings.append("close")  # the last life ends cleanly: then nothing may be left
     started: list[int] = []
