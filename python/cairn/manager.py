@@ -935,9 +935,10 @@ class CheckpointManager:
         last save failed), a memory-tier step newer than every slower tier's: the
         one restore() read from memory, which may be the only copy of the run's
         progress. Should the memory tier still hold a step no slower tier has (the
-        flush failed, or ``flush_on_close`` is False), it is kept in shared memory,
-        as after a crash, for the restart to restore (logged at WARNING; ``cairn gc``
-        or the next manager on the node reclaims it after ``orphan_grace``)."""
+        flush failed), it is kept in shared memory, as after a crash, for the restart
+        to restore (logged at WARNING; ``cairn gc`` or the next manager on the node
+        reclaims it after ``orphan_grace``). With ``flush_on_close`` False the memory
+        tier ends with the manager, memory-only steps included."""
         if self._closed:
             return
         try:
@@ -955,12 +956,15 @@ class CheckpointManager:
         finally:
             self._closed = True
             _live_managers.discard(self)
-            self._end(collective=True)
+            # flush_on_close=False (cairn.ray): the durable tier is someone else's
+            # and a memory-only step ends with the manager, as documented there.
+            self._end(collective=True, keep_newest=self.flush_on_close)
 
-    def _end(self, collective: bool) -> None:
+    def _end(self, collective: bool, keep_newest: bool = True) -> None:
         """Frees what the manager holds: its threads, the staging pool's mappings, the
-        memory tier (unless it holds the newest step, _memory_holds_newest) and the
-        lease. `collective`: the ranks meet once first (close()), not at exit."""
+        memory tier (unless `keep_newest` and it holds the newest step,
+        _memory_holds_newest) and the lease. `collective`: the ranks meet once first
+        (close()), not at exit."""
         self._join_prefault_job()  # it maps a slot: before the pool closes
         self._background.close()
         if self._stager_obj is not None:
@@ -976,7 +980,7 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - peers may be gone at shutdown
                 pass
         self._repl.close()
-        keep = self._node_leader and self._memory_holds_newest()
+        keep = keep_newest and self._node_leader and self._memory_holds_newest()
         if keep:
             log.warning("cairn: keeping the memory tier %s: it holds a step that no slower "
                         "tier has (a restart restores it; `cairn gc` reclaims it after "
