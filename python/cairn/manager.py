@@ -578,6 +578,7 @@ class CheckpointManager:
         self._background.start()
         # An interpreter that exits without close() ends the manager safely
         # (_end_at_exit): the memory tier stays if it holds the newest step.
+        self._pid = os.getpid()
         _live_managers.add(self)
 
     # ---- small helpers -----------------------------------------------------------
@@ -1061,8 +1062,8 @@ class CheckpointManager:
         collective (the peers may be gone), nothing flushed; the save in flight is
         waited for (bounded), then the manager ends as close() ends it, the memory
         tier kept if it holds the newest step. Called by the atexit hook."""
-        if self._closed:
-            return
+        if self._closed or os.getpid() != self._pid:
+            return  # closed, or a forked child: the manager is its parent's
         self._closed = True
         bound = min(self.timeout, 60.0)
         rec = self._inflight
