@@ -162,8 +162,10 @@ def worker(plan: dict) -> None:
     restored = mgr.restore(blank)
     out = {"restored": restored, "tier": mgr.restored and mgr.restored[1],
            "values": observed(blank, rank) if restored is not None else None}
-    with open(os.path.join(plan["workdir"], f"life{plan['life']}.r{rank}.json"), "w") as f:
+    path = os.path.join(plan["workdir"], f"life{plan['life']}.r{rank}.json")
+    with open(path + ".tmp", "w") as f:  # whole or absent, whenever the kill falls
         json.dump(out, f)
+    os.rename(path + ".tmp", path)
     start = (restored or 0) + 1
     steps = range(start, start + plan["saves"])
     if plan["ending"] in ("close", "raise"):
