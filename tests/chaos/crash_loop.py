@@ -210,7 +210,7 @@ def run_life(a, rng: random.Random, life: int, ending: str, started: list[int]) 
         # Every rank, or one (its peers then fail their next collective).
         victims = rng.choice(["all"] + [str(r) for r in range(a.ranks)] if a.ranks > 1
                              else ["all"])
-        chaos = f"timer:{rng.randint(0, 1500)}:{victims}"
+        chaos = f"timer:{rng.randint(0, 6000)}:{victims}"
     elif ending == "kill1st":
         chaos = "stage:1:all"
     logf = os.path.join(a.workdir, f"life{life}.log")
