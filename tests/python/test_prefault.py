@@ -30,7 +30,11 @@ def test_restore_with_nothing_prefaults_a_slot_sized_for_the_state(tmp_path):
         assert size >= (1 << 20) * 4 + 12
         mgr.save(1, state)
         mgr.wait()
-        assert list(slot_files(mgr).values()) == [size]  # the save did not grow it
+        # The second of the two default slots is pre-faulted once step 1 committed;
+        # the save of step 2 waits for it and stages there.
+        mgr.save(2, state)
+        mgr.wait()
+        assert list(slot_files(mgr).values()) == [size, size]  # no save grew a slot
 
 
 def test_restore_from_disk_prefaults_the_restored_size(tmp_path):
