@@ -574,7 +574,11 @@ class CheckpointManager:
         self._stager_obj: SlotStager | None = None
         # Tests route CPU tensors through the device staging path (its CPU fallback).
         self._device_path_for_tests = False
+        # The slot the next save stages into, and the slot no save may overwrite
+        # (None: any), the same on every rank (_save_slot). restore() sets both from
+        # what it restored; until then the oldest slot (a fresh run: slot 0).
         self._next_slot = self._agree(self._tiers.oldest_slot() if self.is_coordinator else 0)
+        self._keep_slot: int | None = None
         self._background.start()
         # An interpreter that exits without close() ends the manager safely
         # (_end_at_exit): the memory tier stays if it holds the newest step.
@@ -652,17 +656,11 @@ class CheckpointManager:
             raise TimeoutError(f"staging slot still being pre-faulted after {self.timeout:.0f}s")
         self._saves += 1
         goes_durable = durable if durable is not None else (self._saves % self.durable_every == 0)
-        slot = self._next_slot
-        self._next_slot = (slot + 1) % self.num_slots
+        slot = self._save_slot()
         t0 = time.perf_counter()
-        try:
-            writer = self._stage(step, slot, state)
-        except BaseException:
-            # Nothing of this save committed: its slot (uncommitted before a byte of
-            # it changed) is the next one again, so a retried save never overwrites
-            # the slot holding the newest memory-tier checkpoint.
-            self._next_slot = slot
-            raise
+        # A failed save leaves `slot` uncommitted (before a byte of it changed): a
+        # retry stages there again, never into the kept slot.
+        writer = self._stage(step, slot, state)
         stall = time.perf_counter() - t0
         rec = _Save(step=step, slot=slot, durable=goes_durable, writer=writer, stall_s=stall,
                     started=time.perf_counter(), on_durable=on_durable if goes_durable else None)
@@ -671,6 +669,38 @@ class CheckpointManager:
         self._warm_slots.add(slot)
         self._prefault_next(rec)
         return goes_durable
+
+    def _save_slot(self) -> int:
+        """The slot the next save stages into, the same on every rank (derived from
+        what every rank shares: the outcomes of the saves, what restore() agreed).
+
+        A slot may be overwritten unless it is the kept slot (``_keep_slot``): the one
+        holding the newest committed step while no slower tier holds that step (a
+        memory-only save, one whose persistence failed, a memory-only step restore()
+        read). The save reuses ``_next_slot`` (the slot this process staged into or
+        pre-faulted last) unless it is the kept one; then it takes another, which
+        is created then, or was pre-faulted once the kept step committed. So with
+        every save durable only one slot ever exists."""
+        slot = self._next_slot
+        if slot == self._keep_slot and self.num_slots > 1:
+            slot = self._other_slot(slot)
+        self._next_slot = slot
+        return slot
+
+    def _other_slot(self, slot: int) -> int:
+        """A slot other than `slot` (with two slots, the other one)."""
+        return (slot + 1) % self.num_slots
+
+    def _keeps(self, rec: _Save) -> bool:
+        """Whether save `rec`, finished, leaves its slot kept: committed in the memory
+        tier and in no slower tier (or replication is on: the previous step stays in
+        cluster memory while the next one replicates, so every save's slot is kept
+        until a newer one committed). Every rank has the same `rec.tiers_done`."""
+        if "memory" not in rec.tiers_done:
+            return False
+        if self._repl.k:
+            return True
+        return not any(t in rec.tiers_done for t in ("local", "durable"))
 
     def _stage(self, step: int, slot: int, state: dict[str, Any]) -> _StagingWriter:
         """The blocking half of save(): stages `state` into `slot`. Raises a
@@ -899,13 +929,13 @@ class CheckpointManager:
             self._history.append({"step": rec.step, "stall_s": rec.stall_s,
                                   "persist_s": rec.persist_s, "tiers": list(rec.tiers_done),
                                   "bytes": rec.writer.used, "ok": rec.error is None})
+            if "memory" in rec.tiers_done:
+                # Its slot holds the newest committed step: kept while no slower tier
+                # has it; else no slot needs keeping (the older ones hold older steps).
+                self._keep_slot = rec.slot if self._keeps(rec) else None
             if rec.error is not None:
                 self._release_slot()
                 self._pending_error = rec.error
-                if "memory" not in rec.tiers_done:
-                    # Nothing of it committed: the next save reuses its slot rather
-                    # than the one holding the newest memory-tier step.
-                    self._next_slot = rec.slot
         if self._pending_error is not None:
             e, self._pending_error = self._pending_error, None
             if isinstance(e, Error):
@@ -1149,7 +1179,8 @@ class CheckpointManager:
         mine = self._candidates()
         # The steps every rank holds, newest first, and each rank's fastest source
         # of one not failed yet (C++).
-        plan = _ext.RestorePlanner(mine, self._gather(sorted({(s, t) for s, t, _, _ in mine})))
+        held = self._gather(sorted({(s, t) for s, t, _, _ in mine}))  # every rank's
+        plan = _ext.RestorePlanner(mine, held)
         if not plan.steps:
             self._plan_ahead(state)
             self.prepare(state)
@@ -1219,7 +1250,8 @@ class CheckpointManager:
                     self.restored = (step, choice[0])
                     if choice[0] == "memory":
                         _memory_budget.mark_restored(self._lease)
-                    self._keep_restored_slot(choice[2] if choice[0] == "memory" else None)
+                    self._keep_restored_slot(choice[2] if choice[0] == "memory" else None,
+                                             step, held)
                     self._plan_ahead(state)
                     self.prepare(state, nbytes=self._restored_bytes(reader))
                     return step
@@ -1229,23 +1261,36 @@ class CheckpointManager:
                 plan.fail(step, choice[0], str(why))
         raise CorruptionError("no checkpoint could be restored: " + plan.failures())
 
-    def _keep_restored_slot(self, name: str | None) -> None:
-        """Makes the next save stage into a slot no rank just restored from (`name`,
-        its memory-tier directory, or None), so that the restored step, possibly the
-        only copy of the newest one, stays whole until a newer step has committed.
-        Collective. With one slot there is no other (memory_slots documents it)."""
+    def _keep_restored_slot(self, name: str | None, step: int,
+                            held: list[list[tuple[int, str]]]) -> None:
+        """Chooses the next save's slot after restoring `step` (from the memory-tier
+        directory `name` on this rank, or None): the restored slot is kept, so that
+        no save overwrites it before a newer step has committed, when some rank's
+        slower tiers (`held`, every rank's (step, tier) list, gathered by restore())
+        lack the step: it may be the only copy of the newest one. Otherwise the next
+        save reuses the restored slot (no second slot is created). Collective. With
+        one slot there is no other (memory_slots documents it)."""
         restored = self._gather(name)
-        if self.num_slots < 2:
+        names = {_ext.TierSet.slot_dir(k): k for k in range(self.num_slots)}
+        slots = {names.get(n) for n in restored}
+        if len(slots) != 1 or None in slots:
+            # Not from the memory tier (or not from the same slot on every rank): every
+            # memory-tier step is older or unreadable, none needs keeping. Reuse a slot
+            # file that exists already (the coordinator's), else slot 0.
+            self._keep_slot = None
+            choice = 0
+            if self.is_coordinator:
+                choice = next((k for k in range(self.num_slots)
+                               if os.path.exists(self._tiers.slot_data_path(k, self.rank))), 0)
+            self._next_slot = self._agree(choice)
             return
-        avoid = {k for k in range(self.num_slots) if _ext.TierSet.slot_dir(k) in restored}
-        if self._next_slot not in avoid:
-            return
-        choice = self._next_slot
-        if self.is_coordinator:
-            held = self._memory_checkpoints()  # {slot: (step, uri)}
-            free = [k for k in range(self.num_slots) if k not in avoid]
-            choice = min(free, key=lambda k: (k in held, held.get(k, (0, ""))[0]))
-        self._next_slot = self._agree(choice)
+        (slot,) = slots
+        slower = [any(s == step and t in ("local", "durable") for s, t in mine)
+                  for mine in held]
+        self._keep_slot = None if all(slower) and not self._repl.k else slot
+        self._next_slot = slot
+        if self._keep_slot is not None and self.num_slots > 1:
+            self._next_slot = self._other_slot(slot)
 
     def _read_through_slot(self, reader: Reader, name: str) -> bool:
         """Whether `reader` (of memory-tier checkpoint `name`) now reads the staging
@@ -1314,18 +1359,22 @@ class CheckpointManager:
         self._prefault_thread.start()
 
     def _prefault_next(self, rec: _Save) -> None:
-        """After save `rec`: pre-faults the next save's slot when this process has not
-        mapped it yet (the second slot of a run, the restored one), so that its first
-        save stalls no longer than a steady one. Queued on the background thread
-        behind `rec`'s persistence, which it does not delay; the next save() waits
-        for it. It runs only once `rec` is committed in the memory tier: until then
-        the next slot may hold the newest step, and growing its file would damage it."""
-        slot = self._next_slot
-        if not self.memory or slot in self._warm_slots or slot == rec.slot:
+        """After save `rec`: when it will leave its slot kept (_keeps: a memory-only
+        step), pre-faults the slot the next save then stages into, if this process
+        has not mapped it yet (creating the second slot), so that the next save
+        stalls no longer than a steady one. Nothing when every save is durable: the
+        next save reuses `rec`'s slot. Queued on the background thread behind `rec`'s
+        persistence, which it does not delay; the next save() waits for it. It runs
+        only once `rec` is committed in the memory tier: until then the other slot
+        may hold the newest step, and growing its file would damage it."""
+        if not self.memory or self.num_slots < 2:
+            return
+        slot = self._other_slot(rec.slot)
+        if slot in self._warm_slots:
             return
 
         def job() -> None:
-            if rec.error is not None or "memory" not in rec.tiers_done:
+            if not self._keeps(rec):  # a failed persist keeps the slot too
                 return
             try:
                 self._budget.check(slot, int(rec.writer.capacity))
