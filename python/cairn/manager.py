@@ -19,8 +19,9 @@ Protocol of one save (every rank; the coordinator is rank 0 of the checkpoint gr
      ``dcp.save`` and stages with the kept plan, so its stall is the copy; a changed
      structure on any rank plans anew on all. restore() plans the first save ahead
      (``_plan_ahead``), so it too is staged like a steady one. Each rank uncommits
-     the memory-tier checkpoint held by the slot it is about to reuse and stages its
-     items into that slot (a file in shared memory, mapped once and pre-faulted,
+     the memory-tier checkpoint held by the slot it is about to reuse (the last one
+     used, unless it holds the newest step and no slower tier has it: then the
+     other, ``_save_slot``) and stages its items into that slot (a file in shared memory, mapped once and pre-faulted,
      reused across saves) with the staging
      engine (``cairn._staging.SlotStager`` over the C++ ``StagingPool``): the data-file
      layout, one parallel memcpy, GPU tensors device-to-host on a side stream into the
@@ -428,17 +429,20 @@ class CheckpointManager:
             checkpoint, because another owner applies retention there (Ray Train's
             ``num_to_keep``, see ``cairn.ray``); partial leftovers are still removed.
         keep_local: checkpoints kept in the local tier (default: ``keep``, or 3).
-        memory_slots: checkpoints held in shared memory (>= 1; default 2 with
-            ``memory``, else 1). The footprint is ``memory_slots`` × the state size,
-            flat across saves. A save never overwrites the slot holding the newest
-            memory-tier checkpoint, nor the one restore() read, before a newer step
-            has committed, so a crash at any instant leaves the newest step whole
-            (docs/memory.md, "The restore contract"). ``memory_slots=1`` halves the
-            footprint and gives that up: each save overwrites the previous memory-tier
-            checkpoint while it stages, so a crash then (or of a restarted process
-            during its first save) loses every step that was in memory only and
-            restore() falls back to the newest step of a slower tier. Replication
-            needs >= 2 (see ``replicas``).
+        memory_slots: the most checkpoints held in shared memory (>= 1; default 2 with
+            ``memory``, else 1). A save never overwrites the slot holding the newest
+            committed step while no slower tier holds it (a memory-only step, or the
+            one restore() read from memory), before a newer step has committed, so a
+            crash at any instant leaves the newest step whole (docs/memory.md, "The
+            restore contract"). A second slot is created only for that: with every
+            save durable (``durable_every=1``, the default) one slot exists and the
+            footprint is 1 × the state; from the first memory-only step on it is 2 ×.
+            ``memory_slots=1`` never creates the second one and gives that up: each
+            save overwrites the previous memory-tier checkpoint while it stages, so a
+            crash then (or of a restarted process during its first save) loses every
+            step that was in memory only and restore() falls back to the newest step
+            of a slower tier. Replication needs >= 2 and alternates them (see
+            ``replicas``).
         durable_every: every Nth save reaches the slower tiers (default 1: every save);
             ``save(..., durable=True)`` forces one.
         process_group: the group whose ranks checkpoint together (default: the world).

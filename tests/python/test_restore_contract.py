@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -51,10 +52,56 @@ _LIFE = textwrap.dedent("""
 """)
 
 
-def _life(root: str, how: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-c", _LIFE, root, how], env=env,
-                          capture_output=True, text=True, timeout=300)
+# One interpreter imports torch once and forks each life (as tests/chaos/crash_loop.py
+# does): the child runs _LIFE at the top level, so it ends as a script does, through
+# the interpreter's own exit (atexit hooks, finalization), with its own status.
+_ZYGOTE = textwrap.dedent("""
+    import os, sys, torch, cairn
+    for line in sys.stdin:
+        root, how, log = line.split()
+        pid = os.fork()
+        if pid == 0:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+            sys.argv = ["life", root, how]
+            break
+        print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+    else:
+        sys.exit(0)
+""")
+
+
+class _Lives:
+    """The driver's side of _ZYGOTE: run(root, how) is one life's (status, output)."""
+
+    def __init__(self, tmp_path) -> None:
+        env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"), OMP_NUM_THREADS="1")
+        self.tmp, self.n = tmp_path, 0
+        self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE + _LIFE], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+
+    def run(self, root: str, how: str) -> tuple[int, str]:
+        self.n += 1
+        log = str(self.tmp / f"life{self.n}.log")
+        self.proc.stdin.write(f"{root} {how} {log}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"the zygote ended: {open(log).read()[-3000:] if os.path.exists(log) else ''}"
+        return int(line), open(log).read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        finally:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
 
 
 def test_memory_only_step_survives_restarts_that_exit_raise_or_close(tmp_path):
@@ -64,18 +111,18 @@ def test_memory_only_step_survives_restarts_that_exit_raise_or_close(tmp_path):
     no abort, and the next one still restores step 3."""
     root = str(tmp_path / "ckpt")
     shm = os.path.join("/dev/shm", memory_tier_name(root))
+    lives = _Lives(tmp_path)
     try:
-        r = _life(root, "seed")
-        assert r.returncode == -9, r.stderr
+        rc, out = lives.run(root, "seed")
+        assert rc == -9, out
         for how, rc, said in (("exit", 0, None), ("raise", 1, "user code fails after restore"),
                               ("raise-in-with", 1, "user code fails inside the with block")):
-            r = _life(root, how)
-            assert "terminate called" not in r.stderr and "Fatal Python" not in r.stderr, \
-                r.stderr
-            assert r.returncode == rc, (how, r.returncode, r.stderr[-3000:])
-            assert "restored 3" in r.stdout, (how, r.stdout, r.stderr[-3000:])
+            got, out = lives.run(root, how)
+            assert "terminate called" not in out and "Fatal Python" not in out, out
+            assert got == rc, (how, got, out[-3000:])
+            assert "restored 3" in out, (how, out[-3000:])
             if said:
-                assert said in r.stderr and "Traceback" in r.stderr
+                assert said in out and "Traceback" in out
         # The last one closed: step 3 is durable now and the memory tier is gone.
         assert not os.path.exists(shm)
         state = {"w": torch.zeros(1 << 22), "epoch": 0, "tag": ""}
@@ -83,6 +130,7 @@ def test_memory_only_step_survives_restarts_that_exit_raise_or_close(tmp_path):
             assert m.restore(state) == 3 and m.restored == (3, "durable")
         assert state["epoch"] == 3 and state["tag"] == "t3" and bool((state["w"] == 3).all())
     finally:
+        lives.close()
         import shutil
         shutil.rmtree(shm, ignore_errors=True)
 
