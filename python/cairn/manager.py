@@ -21,8 +21,8 @@ Protocol of one save (every rank; the coordinator is rank 0 of the checkpoint gr
      (``_plan_ahead``), so it too is staged like a steady one. Each rank uncommits
      the memory-tier checkpoint held by the slot it is about to reuse (the last one
      used, unless it holds the newest step and no slower tier has it: then the
-     other, ``_save_slot``) and stages its items into that slot (a file in shared memory, mapped once and pre-faulted,
-     reused across saves) with the staging
+     other, ``_save_slot``) and stages its items into that slot (a file in shared
+     memory, mapped once and pre-faulted, reused across saves) with the staging
      engine (``cairn._staging.SlotStager`` over the C++ ``StagingPool``): the data-file
      layout, one parallel memcpy, GPU tensors device-to-host on a side stream into the
      slot registered as pinned memory, padding zeroed. ``save()`` returns here.
@@ -1276,11 +1276,14 @@ class CheckpointManager:
         one slot there is no other (memory_slots documents it)."""
         restored = self._gather(name)
         names = {_ext.TierSet.slot_dir(k): k for k in range(self.num_slots)}
-        slots = {names.get(n) for n in restored}
-        if len(slots) != 1 or None in slots:
-            # Not from the memory tier (or not from the same slot on every rank): every
-            # memory-tier step is older or unreadable, none needs keeping. Reuse a slot
-            # file that exists already (the coordinator's), else slot 0.
+        # The slot(s) the ranks that read the step from their memory tier read (the
+        # others read it from a faster source they lacked: another tier or a peer).
+        slots = {names[n] for n in restored if n in names}
+        if len(slots) != 1:
+            # No rank read its memory tier (it holds older or unreadable steps only),
+            # or ranks read different slots (then the step is in the other tiers they
+            # read too): nothing to keep. Reuse a slot file that exists already (the
+            # coordinator's), else slot 0.
             self._keep_slot = None
             choice = 0
             if self.is_coordinator:
