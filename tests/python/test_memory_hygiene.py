@@ -184,6 +184,25 @@ def test_memory_limit_refuses_a_save_that_would_exceed_it_and_keeps_the_last_one
         assert sorted(s for s, t, _ in mgr.candidates() if t == "memory") == [1, 3]
 
 
+def test_memory_limit_of_one_slot_is_enough_while_every_save_is_durable(tmp_path):
+    """The default configuration needs one slot (the second is created only to keep
+    a memory-only step): a limit with room for one slot of the state holds every
+    durable save; a memory-only save then needs the second slot for the next one,
+    which is refused, the memory-only step staying whole."""
+    small = {"w": torch.arange(250_000, dtype=torch.float32)}  # one 2 MiB slot step
+    with cairn.CheckpointManager(tmp_path / "run", memory_limit=3 << 20) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, small)
+            mgr.wait()
+        assert _ext.allocated_bytes(mgr.shm_dir) <= 3 << 20
+        mgr.save(4, small, durable=False)
+        mgr.wait()
+        with pytest.raises(ResourceExhaustedError, match="memory_limit"):
+            mgr.save(5, small)  # step 4's slot is kept: it would need a second one
+        have = [(s, t) for s, t, _ in mgr.candidates()]
+        assert have[0] == (4, "memory") and (3, "durable") in have, have
+
+
 def test_memory_limit_as_a_fraction_of_dev_shm(tmp_path):
     total = _ext.shared_memory_room("/dev/shm")["total"]
     with cairn.CheckpointManager(tmp_path / "run", memory_limit=(1 << 20) / total) as mgr:
