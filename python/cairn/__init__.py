@@ -17,8 +17,13 @@ from cairn.errors import (
     Error,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
+    PreconditionError,
+    ResourceExhaustedError,
     StorageError,
+    TimeoutError,
     TransientError,
+    UnavailableError,
 )
 
 __version__ = "0.1.0"

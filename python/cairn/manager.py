@@ -19,9 +19,10 @@ Protocol of one save (every rank; the coordinator is rank 0 of the checkpoint gr
      ``dcp.save`` and stages with the kept plan, so its stall is the copy; a changed
      structure on any rank plans anew on all. restore() plans the first save ahead
      (``_plan_ahead``), so it too is staged like a steady one. Each rank uncommits
-     the memory-tier checkpoint held by the slot it is about to reuse and stages its
-     items into that slot (a file in shared memory, mapped once and pre-faulted,
-     reused across saves) with the staging
+     the memory-tier checkpoint held by the slot it is about to reuse (the last one
+     used, unless it holds the newest step and no slower tier has it: then the
+     other, ``_save_slot``) and stages its items into that slot (a file in shared
+     memory, mapped once and pre-faulted, reused across saves) with the staging
      engine (``cairn._staging.SlotStager`` over the C++ ``StagingPool``): the data-file
      layout, one parallel memcpy, GPU tensors device-to-host on a side stream into the
      slot registered as pinned memory, padding zeroed. ``save()`` returns here.
@@ -51,15 +52,18 @@ Every collective runs on a dedicated gloo group with a timeout; ``wait()`` has o
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
+import pickle
 import shutil
 import queue
 import threading
 import warnings
 import time
 import uuid
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -67,7 +71,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
@@ -78,8 +82,9 @@ from torch.futures import Future
 from cairn import _chaos, _ext, _memory_budget, _pools, _replication
 from cairn._staging import SlotStager, byte_source, staged_nbytes
 from cairn._dcp_metadata import Location, manifest_from_metadata
-from cairn.dcp import Reader, value_bytes
+from cairn.dcp import VALUE_MAGIC, Reader, unwrap, value_bytes
 from cairn.errors import CorruptionError, Error, InvalidArgumentError, TimeoutError
+from cairn._stock_reader import check_value_is_safe
 from cairn.state import RNGState
 
 __all__ = ["CheckpointManager", "memory_tier_name"]
@@ -100,6 +105,72 @@ def _state_tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _state_tensors(v)]
     return []
+
+
+def _as_cairn_error(e: BaseException, what: str) -> BaseException:
+    """`e` as the cairn.Error to raise: DCP's CheckpointException unwrapped to the
+    lowest failing rank's exception (cairn.dcp.unwrap); one that is not a cairn.Error
+    wrapped (a value DCP cannot pickle: InvalidArgumentError), so ``except Exception``
+    and ``except cairn.Error`` catch it. KeyboardInterrupt and friends pass as they are.
+    The caller raises the result ``from e``."""
+    inner = unwrap(e)
+    if isinstance(inner, Error) or not isinstance(inner, Exception):
+        return inner
+    if isinstance(inner, (TypeError, AttributeError, ValueError, pickle.PicklingError)):
+        return InvalidArgumentError(f"{what}: {type(inner).__name__}: {inner}")
+    return Error(f"{what}: {type(inner).__name__}: {inner}")
+
+
+class _Mismatch(InvalidArgumentError):
+    """A checkpoint that does not fit the state restore() loads it into."""
+
+
+def _mismatches(state: dict[str, Any], metadata: Metadata) -> list[str]:
+    """What keeps a checkpoint with `metadata` from loading into `state` as
+    dcp.load would: keys of the state the checkpoint lacks, tensors of another shape
+    or dtype, a tensor stored where the state has another value. One line each."""
+    sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+    stored = metadata.state_dict_metadata
+    flat, _ = flatten_state_dict(sd)
+    if any(k not in stored for k in flat):
+        # DCP re-flattens the old (torch <= 2.3) way when that explains the
+        # missing keys (DefaultLoadPlanner.create_local_plan).
+        from torch.distributed.checkpoint import _version
+        _version._derived_version = "2_3"
+        try:
+            old, _ = flatten_state_dict(sd)
+        finally:
+            _version._derived_version = None
+        if all(k in stored for k in old):
+            flat = old
+    out = []
+    for fqn, v in flat.items():
+        md = stored.get(fqn)
+        if md is None:
+            out.append(f"{fqn!r} is not in the checkpoint")
+        elif isinstance(v, torch.Tensor) and isinstance(md, TensorStorageMetadata):
+            have, want = tuple(md.size), tuple(v.shape)
+            if have != want or md.properties.dtype != v.dtype:
+                out.append(f"{fqn!r}: the checkpoint has shape {have} "
+                           f"{str(md.properties.dtype).removeprefix('torch.')}, the state "
+                           f"{want} {str(v.dtype).removeprefix('torch.')}")
+        elif isinstance(md, TensorStorageMetadata):
+            out.append(f"{fqn!r}: the checkpoint has a tensor of shape {tuple(md.size)}, "
+                       f"the state a {type(v).__name__}")
+    return out
+
+
+# Managers not closed yet: the interpreter's exit ends them (_end_at_exit).
+_live_managers: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+
+
+@atexit.register
+def _end_managers_at_exit() -> None:
+    for mgr in list(_live_managers):
+        try:
+            mgr._end_at_exit()
+        except BaseException as e:  # noqa: BLE001 - the other managers still end
+            log.warning("cairn: ending a CheckpointManager at exit: %s", e)
 
 
 def _tier_arg(path: Any) -> Any:
@@ -152,7 +223,7 @@ class _StagingWriter(StorageWriter):
         sources = []  # tensors, or uint8 arrays over BYTE_IO values
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:  # native encoding where it has one
-                sources.append(byte_source(value_bytes(planner, item)))
+                sources.append(self.mgr._value_source(item.index.fqn, value_bytes(planner, item)))
             else:
                 sources.append(planner.resolve_data(item).detach())
         self.stage(sources)
@@ -358,10 +429,19 @@ class CheckpointManager:
             checkpoint, because another owner applies retention there (Ray Train's
             ``num_to_keep``, see ``cairn.ray``); partial leftovers are still removed.
         keep_local: checkpoints kept in the local tier (default: ``keep``, or 3).
-        memory_slots: checkpoints held in shared memory (>= 1; default 1, or 2 with
-            ``replicas``). The footprint is ``memory_slots`` × the state size, flat
-            across saves; with one slot, a save overwrites the previous memory-tier
-            checkpoint (the slower tiers still hold it). Replication needs >= 2 (see
+        memory_slots: the most checkpoints held in shared memory (>= 1; default 2 with
+            ``memory``, else 1). A save never overwrites the slot holding the newest
+            committed step while no slower tier holds it (a memory-only step, or the
+            one restore() read from memory), before a newer step has committed, so a
+            crash at any instant leaves the newest step whole (docs/memory.md, "The
+            restore contract"). A second slot is created only for that: with every
+            save durable (``durable_every=1``, the default) one slot exists and the
+            footprint is 1 × the state; from the first memory-only step on it is 2 ×.
+            ``memory_slots=1`` never creates the second one and gives that up: each
+            save overwrites the previous memory-tier checkpoint while it stages, so a
+            crash then (or of a restarted process during its first save) loses every
+            step that was in memory only and restore() falls back to the newest step
+            of a slower tier. Replication needs >= 2 and alternates them (see
             ``replicas``).
         durable_every: every Nth save reaches the slower tiers (default 1: every save);
             ``save(..., durable=True)`` forces one.
@@ -388,6 +468,10 @@ class CheckpointManager:
             step while the new one replicates, and a node lost in that window leaves
             no step in cluster memory; ``memory_slots=1`` with ``replicas`` is refused
             with InvalidArgumentError.
+        allow_pickle: restore() loads non-tensor values that need unrestricted
+            unpickling (a custom class), as ``cairn.Reader(allow_pickle=True)`` does;
+            only for checkpoints you trust. Without it such a value warns when it is
+            saved, and restore() refuses it.
 
     Thread-safety: one manager per process, used from one thread. ``save()`` returns
     after staging; ``wait()`` blocks until the save is durable; ``close()`` waits,
@@ -413,11 +497,15 @@ class CheckpointManager:
                  thread_count: int | None = None, direct_io: bool = True,
                  memory_limit: int | float | None = None,
                  orphan_grace: float = float(_ext.DEFAULT_ORPHAN_GRACE_S),
-                 replicas: int = 0):
+                 replicas: int = 0, allow_pickle: bool = False):
         memory_slots = _ext.check_manager_options(replicas, bool(memory), keep, memory_slots,
                                                   durable_every, keep_local, timeout)
         limit_bytes = _ext.memory_limit_bytes(memory_limit)
         self.keep = keep
+        self.allow_pickle = bool(allow_pickle)
+        self._values_checked: set[str] = set()  # keys _value_source checked
+        self._warm_slots: set[int] = set()  # slots this process has mapped and faulted
+        self._prefault_job: threading.Event | None = None  # _prefault_next's
         self.keep_local = keep_local or keep or 3
         self.memory = bool(memory)
         # The tiers' URIs (checked apart), discovery, slot choice, retention (C++).
@@ -468,6 +556,7 @@ class CheckpointManager:
         # (every node's shared memory holds its own ranks' slot files).
         hosts = self._gather(_replication.node_id())
         self._node_leader = self.rank == hosts.index(hosts[self.rank])
+        self._single_node = len(set(hosts)) == 1
         _chaos.arm()
 
         # The run's identity, in the durable root (cairn.run), so that a memory-tier
@@ -499,18 +588,29 @@ class CheckpointManager:
         self._stager_obj: SlotStager | None = None
         # Tests route CPU tensors through the device staging path (its CPU fallback).
         self._device_path_for_tests = False
+        # The slot the next save stages into, and the slot no save may overwrite
+        # (None: any), the same on every rank (_save_slot). restore() sets both from
+        # what it restored; until then the oldest slot (a fresh run: slot 0).
         self._next_slot = self._agree(self._tiers.oldest_slot() if self.is_coordinator else 0)
+        self._keep_slot: int | None = None
         self._background.start()
+        # An interpreter that exits without close() ends the manager safely
+        # (_end_at_exit): the memory tier stays if it holds the newest step.
+        self._pid = os.getpid()
+        _live_managers.add(self)
 
     # ---- small helpers -----------------------------------------------------------
 
     @property
     def _pool(self) -> Any:
         if self._pool_obj is None:
+            # The slot files are the memory tier: they outlive the pool, and only
+            # close() (or the exit hook) removes them, and not while they hold the
+            # newest step (_end).
             self._pool_obj = _ext.StagingPool(self.shm_dir, rank=self.rank,
                                               num_slots=self.num_slots,
                                               threads=_pools.thread_count("copy"),
-                                              remove_on_close=True)
+                                              remove_on_close=False)
         return self._pool_obj
 
     @property
@@ -566,11 +666,59 @@ class CheckpointManager:
         if not isinstance(state, dict):
             raise InvalidArgumentError("state must be a dict of tensors and Statefuls")
         self.wait()  # the save in flight, and prepare()'s pre-faulting
+        if not self._join_prefault_job():
+            raise TimeoutError(f"staging slot still being pre-faulted after {self.timeout:.0f}s")
         self._saves += 1
         goes_durable = durable if durable is not None else (self._saves % self.durable_every == 0)
-        slot = self._next_slot
-        self._next_slot = (slot + 1) % self.num_slots
+        slot = self._save_slot()
         t0 = time.perf_counter()
+        # A failed save leaves `slot` uncommitted (before a byte of it changed): a
+        # retry stages there again, never into the kept slot.
+        writer = self._stage(step, slot, state)
+        stall = time.perf_counter() - t0
+        rec = _Save(step=step, slot=slot, durable=goes_durable, writer=writer, stall_s=stall,
+                    started=time.perf_counter(), on_durable=on_durable if goes_durable else None)
+        self._inflight = rec
+        rec.done = self._background.submit(self._persist, rec)
+        self._warm_slots.add(slot)
+        self._prefault_next(rec)
+        return goes_durable
+
+    def _save_slot(self) -> int:
+        """The slot the next save stages into, the same on every rank (derived from
+        what every rank shares: the outcomes of the saves, what restore() agreed).
+
+        A slot may be overwritten unless it is the kept slot (``_keep_slot``): the one
+        holding the newest committed step while no slower tier holds that step (a
+        memory-only save, one whose persistence failed, a memory-only step restore()
+        read). The save reuses ``_next_slot`` (the slot this process staged into or
+        pre-faulted last) unless it is the kept one; then it takes another, which
+        is created then, or was pre-faulted once the kept step committed. So with
+        every save durable only one slot ever exists."""
+        slot = self._next_slot
+        if slot == self._keep_slot and self.num_slots > 1:
+            slot = self._other_slot(slot)
+        self._next_slot = slot
+        return slot
+
+    def _other_slot(self, slot: int) -> int:
+        """A slot other than `slot` (with two slots, the other one)."""
+        return (slot + 1) % self.num_slots
+
+    def _keeps(self, rec: _Save) -> bool:
+        """Whether save `rec`, finished, leaves its slot kept: committed in the memory
+        tier and in no slower tier (or replication is on: the previous step stays in
+        cluster memory while the next one replicates, so every save's slot is kept
+        until a newer one committed). Every rank has the same `rec.tiers_done`."""
+        if "memory" not in rec.tiers_done:
+            return False
+        if self._repl.k:
+            return True
+        return not any(t in rec.tiers_done for t in ("local", "durable"))
+
+    def _stage(self, step: int, slot: int, state: dict[str, Any]) -> _StagingWriter:
+        """The blocking half of save(): stages `state` into `slot`. Raises a
+        cairn.Error (DCP's CheckpointException unwrapped, kept as __cause__)."""
         sd = _state_dict_of(state)
         flat, mappings = flatten_state_dict(sd)
         cache = self._plan_cache
@@ -601,15 +749,29 @@ class CheckpointManager:
             except BaseException as e:
                 self._release_slot()
                 _memory_budget.raise_budget_error(e)
-                raise
+                err = _as_cairn_error(e, f"saving step {step}")
+                if err is e:
+                    raise
+                raise err from e
             self._plan_cache = _PlanCache.of(writer)
             writer.planner = None  # it holds the state's tensors
-        stall = time.perf_counter() - t0
-        rec = _Save(step=step, slot=slot, durable=goes_durable, writer=writer, stall_s=stall,
-                    started=time.perf_counter(), on_durable=on_durable if goes_durable else None)
-        self._inflight = rec
-        rec.done = self._background.submit(self._persist, rec)
-        return goes_durable
+        return writer
+
+    def _value_source(self, fqn: str, data: Any) -> np.ndarray:
+        """The staging source of the non-tensor value `fqn` (its stored bytes). Warns,
+        once per key, when the value is pickled and restore() would refuse it without
+        ``allow_pickle=True`` (cairn._stock_reader.check_value_is_safe)."""
+        if not self.allow_pickle and fqn not in self._values_checked:
+            self._values_checked.add(fqn)
+            if bytes(memoryview(data)[:len(VALUE_MAGIC)]) != VALUE_MAGIC:
+                try:
+                    check_value_is_safe(bytes(data), f"value {fqn!r}")
+                except CorruptionError as e:
+                    warnings.warn(
+                        f"cairn: the value {fqn!r} is saved pickled and restore() will refuse "
+                        f"it unless the manager is created with allow_pickle=True ({e})",
+                        UserWarning, stacklevel=4)
+        return byte_source(data)
 
     def _stage_planned(self, cache: _PlanCache, slot: int, flat: dict[str, Any],
                        mappings: Any) -> tuple[_StagingWriter, BaseException | None]:
@@ -625,7 +787,7 @@ class CheckpointManager:
         try:
             # The cached plan holds whole plain tensors only (_plan_signature), so each
             # tensor item is its flattened value, as DCP's resolve_data would find it.
-            sources = [byte_source(value_bytes(planner, item)) if is_bytes
+            sources = [self._value_source(fqn, value_bytes(planner, item)) if is_bytes
                        else flat[fqn].detach()
                        for item, (fqn, is_bytes) in zip(cache.plan.items, cache.items)]
             writer.plan = cache.plan
@@ -789,6 +951,10 @@ class CheckpointManager:
             self._history.append({"step": rec.step, "stall_s": rec.stall_s,
                                   "persist_s": rec.persist_s, "tiers": list(rec.tiers_done),
                                   "bytes": rec.writer.used, "ok": rec.error is None})
+            if "memory" in rec.tiers_done:
+                # Its slot holds the newest committed step: kept while no slower tier
+                # has it; else no slot needs keeping (the older ones hold older steps).
+                self._keep_slot = rec.slot if self._keeps(rec) else None
             if rec.error is not None:
                 self._release_slot()
                 self._pending_error = rec.error
@@ -819,9 +985,18 @@ class CheckpointManager:
     flush_on_close = True
 
     def close(self) -> None:
-        """Waits for the save in flight, makes sure the newest save reached the durable
+        """Waits for the save in flight, makes sure the newest step reached the durable
         tier (unless ``flush_on_close`` is False), and frees the shared memory (the
-        memory tier ends with the manager)."""
+        memory tier ends with the manager).
+
+        The newest step is the last save or, when this manager saved nothing (or its
+        last save failed), a memory-tier step newer than every slower tier's: the
+        one restore() read from memory, which may be the only copy of the run's
+        progress. Should the memory tier still hold a step no slower tier has (the
+        flush failed), it is kept in shared memory, as after a crash, for the restart
+        to restore (logged at WARNING; ``cairn gc`` or the next manager on the node
+        reclaims it after ``orphan_grace``). With ``flush_on_close`` False the memory
+        tier ends with the manager, memory-only steps included."""
         if self._closed:
             return
         try:
@@ -834,30 +1009,134 @@ class CheckpointManager:
                 self._inflight = last
                 last.done = self._background.submit(self._flush, last)
                 self.wait()
+            elif self.flush_on_close and (last is None or last.error is not None):
+                self._flush_memory_only()
         finally:
             self._closed = True
+            _live_managers.discard(self)
+            # flush_on_close=False (cairn.ray): the durable tier is someone else's
+            # and a memory-only step ends with the manager, as documented there.
+            self._end(collective=True, keep_newest=self.flush_on_close)
+
+    def _end(self, collective: bool, keep_newest: bool = True) -> None:
+        """Frees what the manager holds: its threads, the staging pool's mappings, the
+        memory tier (unless `keep_newest` and it holds the newest step,
+        _memory_holds_newest) and the lease. `collective`: the ranks meet once first
+        (close()), not at exit."""
+        self._join_prefault_job()  # it maps a slot: before the pool closes
+        self._background.close()
+        if self._stager_obj is not None:
+            try:
+                self._stager_obj.unpin_all()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+        if self._pool_obj is not None:
+            self._pool_obj.close()
+        if collective and self._dist:
+            try:
+                dist.barrier(group=self.pg)
+            except Exception:  # noqa: BLE001 - peers may be gone at shutdown
+                pass
+        self._repl.close()
+        keep = keep_newest and self._node_leader and self._memory_holds_newest()
+        if keep:
+            log.warning("cairn: keeping the memory tier %s: it holds a step that no slower "
+                        "tier has (a restart restores it; `cairn gc` reclaims it after "
+                        "orphan_grace)", self.shm_dir)
+        elif self._node_leader:
+            # The memory tier ends with the manager: slot manifests and any
+            # leftovers of crashed processes go with it.
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
+        try:  # the last owner out removes a tier left empty (a rank's own root)
+            self._lease.release(remove_if_empty=not keep)
+        except Error as e:
+            log.warning("cairn: releasing the memory tier %s: %s", self.shm_dir, e)
+
+    def _memory_holds_newest(self) -> bool:
+        """Whether this node's memory tier holds a committed step newer than every
+        slower tier's newest (then it is the only copy of that step). True when
+        that cannot be told (a slower tier unreadable): keeping loses nothing."""
+        if not self.memory:
+            return False
+        try:
+            held = self._memory_checkpoints()
+            if not held:
+                return False
+            found, _, _ = self._tiers.candidates(False)
+            return max(s for s, _ in held.values()) > max((c[0] for c in found), default=-1)
+        except Exception as e:  # noqa: BLE001 - keep it rather than guess
+            log.warning("cairn: listing the tiers at close: %s", e)
+            return True
+
+    def _flush_memory_only(self) -> None:
+        """close() of a manager with no successful save of its own: copies the newest
+        memory-tier step that every rank holds to the slower tiers, when no slower
+        tier holds it or a newer step (the step restore() read from memory, or one a
+        crashed process left there). Collective. A failure is logged: the memory
+        tier then stays (_end)."""
+        if not self.memory:
+            return
+        held = {step: slot for slot, (step, _) in self._memory_checkpoints().items()}
+        everyone = self._gather(sorted(held))
+        common = set(everyone[0]).intersection(*map(set, everyone[1:]))
+        if not common:
+            return
+        step = max(common)
+        todo: list[str] = []
+        if self.is_coordinator:
+            found, _, _ = self._tiers.candidates(False)
+            if step > max((c[0] for c in found), default=-1):
+                todo = list(self._tiers.slower_tiers())
+        todo = self._agree(todo)
+        if not todo:
+            return
+        if not self._single_node:
+            # Each node holds its own ranks' data files only: a save copies them rank
+            # by rank, close() does not. The memory tier stays for the restart.
+            log.warning("cairn: step %d is in the memory tier only; not flushed at close "
+                        "across nodes", step)
+            return
+        ok = True
+        if self.is_coordinator:
+            try:
+                for tier in todo:
+                    _ext.copy_checkpoint_dir(self._memory_storage,
+                                             _ext.TierSet.slot_dir(held[step]),
+                                             self._tiers.storage(tier),
+                                             _ext.TierSet.step_dir(step), self._io_pool,
+                                             direct_io=self.direct_io, sync=True)
+                    self._prune(tier)
+                log.info("cairn: close() flushed step %d from the memory tier to the %s "
+                         "tier(s)", step, ", ".join(todo))
+            except Exception as e:  # noqa: BLE001 - the memory tier stays
+                ok = False
+                log.warning("cairn: flushing step %d from the memory tier at close: %s",
+                            step, e)
+        self._gather(ok)  # every rank waits for the copy
+
+    def _end_at_exit(self) -> None:
+        """The interpreter exits with this manager still open (no close()): no
+        collective (the peers may be gone), nothing flushed; the save in flight is
+        waited for (bounded), then the manager ends as close() ends it, the memory
+        tier kept if it holds the newest step. Called by the atexit hook."""
+        if self._closed or os.getpid() != self._pid:
+            return  # closed, or a forked child: the manager is its parent's
+        self._closed = True
+        bound = min(self.timeout, 60.0)
+        rec = self._inflight
+        busy = rec is not None and rec.done is not None and not rec.done.wait(bound)
+        busy = busy or not self._join_prefault_job(bound)
+        if self._prefault_thread is not None:
+            self._prefault_thread.join(bound)
+            busy = busy or self._prefault_thread.is_alive()
+        if busy:
+            # The background thread still uses the slots: unmapping them under it
+            # would crash it. Leave everything, as a crash would.
+            log.warning("cairn: exiting with a save still persisting; the memory tier %s "
+                        "stays", self.shm_dir)
             self._background.close()
-            if self._stager_obj is not None:
-                try:
-                    self._stager_obj.unpin_all()
-                except Exception:  # noqa: BLE001 - best effort at shutdown
-                    pass
-            if self._pool_obj is not None:
-                self._pool_obj.close()
-            if self._dist:
-                try:
-                    dist.barrier(group=self.pg)
-                except Exception:  # noqa: BLE001 - peers may be gone at shutdown
-                    pass
-            self._repl.close()
-            if self._node_leader:
-                # The memory tier ends with the manager: slot manifests and any
-                # leftovers of crashed processes go with it.
-                shutil.rmtree(self.shm_dir, ignore_errors=True)
-            try:  # the last owner out removes a tier left empty (a rank's own root)
-                self._lease.release(remove_if_empty=True)
-            except Error as e:
-                log.warning("cairn: releasing the memory tier %s: %s", self.shm_dir, e)
+            return
+        self._end(collective=False)
 
     def _flush(self, rec: _Save) -> None:
         """Persists a save that stayed in memory only (close() of a run whose newest
@@ -901,24 +1180,34 @@ class CheckpointManager:
         self._open_readers.update(readers)
         return out + found
 
-    def restore(self, state: dict[str, Any]) -> int | None:
-        """Loads the newest step that every rank can load into `state`, from the
-        fastest tier holding it, falling back to slower tiers and older steps when a
-        checkpoint is missing or corrupt. Returns the step, or None when there is
-        nothing to restore. Raises cairn.CorruptionError when checkpoints exist but
-        none of them loads."""
+    def restore(self, state: dict[str, Any], *, skip_mismatched: bool = False) -> int | None:
+        """Loads into `state` the newest step that every rank can load, from the
+        fastest tier holding it: what ``dcp.load(state,
+        storage_reader=cairn.Reader(<that checkpoint>))`` loads (tensors in place,
+        nested containers, top-level plain values replaced, Statefuls through
+        ``load_state_dict``), from any tier. A checkpoint that is missing, damaged or
+        unreadable is skipped, logged at WARNING with the reason, for the next tier
+        or an older step. Returns the step, or None when there is nothing to restore.
+
+        A checkpoint that loads but does not match `state` (a key of `state` it lacks,
+        a tensor of another shape or dtype) is the caller's mistake, not damage: it
+        raises cairn.InvalidArgumentError (a ValueError) naming each key and both
+        shapes/dtypes, and no older step is tried. ``skip_mismatched=True`` restores
+        the newest step that fits instead (each skipped one logged at WARNING).
+        Raises cairn.CorruptionError when checkpoints exist but none of them loads."""
         self._check_open()
         self.wait()
         try:
-            return self._restore(state)
+            return self._restore(state, skip_mismatched)
         finally:
             self._open_readers.clear()
 
-    def _restore(self, state: dict[str, Any]) -> int | None:
+    def _restore(self, state: dict[str, Any], skip_mismatched: bool = False) -> int | None:
         mine = self._candidates()
         # The steps every rank holds, newest first, and each rank's fastest source
         # of one not failed yet (C++).
-        plan = _ext.RestorePlanner(mine, self._gather(sorted({(s, t) for s, t, _, _ in mine})))
+        held = self._gather(sorted({(s, t) for s, t, _, _ in mine}))  # every rank's
+        plan = _ext.RestorePlanner(mine, held)
         if not plan.steps:
             self._plan_ahead(state)
             self.prepare(state)
@@ -944,6 +1233,7 @@ class CheckpointManager:
                             reader = Reader._in(self._tiers.storage(choice[0]), choice[2], uri)
                         else:  # the replication view the engine just assembled
                             reader = Reader(uri)
+                        reader.allow_pickle = self.allow_pickle
                         if choice[0] in ("memory", "peer"):
                             # Node memory: copying and hashing, a thread per core.
                             reader._pool = _pools.copy_pool()
@@ -958,6 +1248,8 @@ class CheckpointManager:
                     if choice is None:
                         break  # some rank has no tier left for this step
                     if not ok:
+                        log.warning("cairn: skipping step %d in the %s tier (%s): %s", step,
+                                    choice[0], uri, unwrap(err))
                         plan.fail(step, choice[0], str(err))
                     if any(v[1] is None for v in verdicts):
                         break
@@ -973,16 +1265,62 @@ class CheckpointManager:
                 verdicts = self._gather(ok)
                 if self._repl.multi:
                     self._repl.drop_view()
+                if isinstance(err, _Mismatch) and not skip_mismatched:
+                    # Every rank raised it (_load agrees on it): the caller's state
+                    # does not fit, and an older step that happens to fit is not it.
+                    raise InvalidArgumentError(
+                        f"step {step} ({uri}) does not match the state to restore into: "
+                        f"{err} (pass skip_mismatched=True to restore the newest step "
+                        "that fits instead)") from None
                 if all(verdicts):
                     log.info("cairn: restored step %d from the %s tier", step, choice[0])
                     self.restored = (step, choice[0])
                     if choice[0] == "memory":
                         _memory_budget.mark_restored(self._lease)
+                    self._keep_restored_slot(choice[2] if choice[0] == "memory" else None,
+                                             step, held)
                     self._plan_ahead(state)
                     self.prepare(state, nbytes=self._restored_bytes(reader))
                     return step
-                plan.fail(step, choice[0], str(err or "failed on another rank"))
+                why = unwrap(err) if err is not None else "failed on another rank"
+                log.warning("cairn: skipping step %d in the %s tier (%s): %s", step, choice[0],
+                            uri, why)
+                plan.fail(step, choice[0], str(why))
         raise CorruptionError("no checkpoint could be restored: " + plan.failures())
+
+    def _keep_restored_slot(self, name: str | None, step: int,
+                            held: list[list[tuple[int, str]]]) -> None:
+        """Chooses the next save's slot after restoring `step` (from the memory-tier
+        directory `name` on this rank, or None): the restored slot is kept, so that
+        no save overwrites it before a newer step has committed, when some rank's
+        slower tiers (`held`, every rank's (step, tier) list, gathered by restore())
+        lack the step: it may be the only copy of the newest one. Otherwise the next
+        save reuses the restored slot (no second slot is created). Collective. With
+        one slot there is no other (memory_slots documents it)."""
+        restored = self._gather(name)
+        names = {_ext.TierSet.slot_dir(k): k for k in range(self.num_slots)}
+        # The slot(s) the ranks that read the step from their memory tier read (the
+        # others read it from a faster source they lacked: another tier or a peer).
+        slots = {names[n] for n in restored if n in names}
+        if len(slots) != 1:
+            # No rank read its memory tier (it holds older or unreadable steps only),
+            # or ranks read different slots (then the step is in the other tiers they
+            # read too): nothing to keep. Reuse a slot file that exists already (the
+            # coordinator's), else slot 0.
+            self._keep_slot = None
+            choice = 0
+            if self.is_coordinator:
+                choice = next((k for k in range(self.num_slots)
+                               if os.path.exists(self._tiers.slot_data_path(k, self.rank))), 0)
+            self._next_slot = self._agree(choice)
+            return
+        (slot,) = slots
+        slower = [any(s == step and t in ("local", "durable") for s, t in mine)
+                  for mine in held]
+        self._keep_slot = None if all(slower) and not self._repl.k else slot
+        self._next_slot = slot
+        if self._keep_slot is not None and self.num_slots > 1:
+            self._next_slot = self._other_slot(slot)
 
     def _read_through_slot(self, reader: Reader, name: str) -> bool:
         """Whether `reader` (of memory-tier checkpoint `name`) now reads the staging
@@ -1032,18 +1370,60 @@ class CheckpointManager:
             nbytes = int(_ext.staged_bytes(lengths)) if lengths else 0
         if nbytes <= 0:
             return
-        slot = self._next_slot
+        self._start_prefault(self._next_slot, nbytes)
 
+    def _start_prefault(self, slot: int, nbytes: int) -> None:
+        """Creates and pre-faults `slot` (>= `nbytes`) on a thread that the next
+        save(), wait() or close() joins, and the exit hook too (a daemon thread still
+        in C++ when the interpreter finalizes aborts it)."""
         def run() -> None:
             try:
                 self._budget.check(slot, nbytes)
                 self._pool.acquire_slot(slot, nbytes)
                 self._pool.release(slot)
+                self._warm_slots.add(slot)
             except BaseException as e:  # noqa: BLE001 - the save reports it
                 log.info("cairn: pre-faulting staging slot %d: %s", slot, e)
 
         self._prefault_thread = threading.Thread(target=run, name="cairn-prefault", daemon=True)
         self._prefault_thread.start()
+
+    def _prefault_next(self, rec: _Save) -> None:
+        """After save `rec`: when it will leave its slot kept (_keeps: a memory-only
+        step), pre-faults the slot the next save then stages into, if this process
+        has not mapped it yet (creating the second slot), so that the next save
+        stalls no longer than a steady one. Nothing when every save is durable: the
+        next save reuses `rec`'s slot. Queued on the background thread behind `rec`'s
+        persistence, which it does not delay; the next save() waits for it. It runs
+        only once `rec` is committed in the memory tier: until then the other slot
+        may hold the newest step, and growing its file would damage it."""
+        if not self.memory or self.num_slots < 2:
+            return
+        slot = self._other_slot(rec.slot)
+        if slot in self._warm_slots:
+            return
+
+        def job() -> None:
+            if not self._keeps(rec):  # a failed persist keeps the slot too
+                return
+            try:
+                self._budget.check(slot, int(rec.writer.capacity))
+                self._pool.acquire_slot(slot, int(rec.writer.capacity))
+                self._pool.release(slot)
+                self._warm_slots.add(slot)
+            except BaseException as e:  # noqa: BLE001 - the save reports it
+                log.info("cairn: pre-faulting staging slot %d: %s", slot, e)
+
+        self._prefault_job = self._background.submit(job)
+
+    def _join_prefault_job(self, timeout: float | None = None) -> bool:
+        """Waits for _prefault_next's job; whether it is done."""
+        job = self._prefault_job
+        if job is not None:
+            if not job.wait(self.timeout if timeout is None else timeout):
+                return False
+            self._prefault_job = None
+        return True
 
     def _plan_ahead(self, state: dict[str, Any]) -> None:
         """Plans a save of `state` now (DCP's planning, nothing staged), so the first
@@ -1085,9 +1465,32 @@ class CheckpointManager:
             plan = None
         if all(self._gather(plan is not None)):
             reader.load_in_place(plan)
-            return
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(to_load, storage_reader=reader, process_group=self.pg)
+        else:
+            # Not loadable in place: a resharded or non-plain tensor, or a state that
+            # does not match. A mismatch on any rank is raised on every rank.
+            try:
+                bad = _mismatches(to_load, reader.read_metadata())
+            except Exception:  # noqa: BLE001 - unreadable: dcp.load reports it
+                bad = []
+            everyone = self._gather(bad)
+            if any(everyone):
+                lines = [(f"rank {r}: " if self.world > 1 else "") + m
+                         for r, ms in enumerate(everyone) for m in ms]
+                more = f" (and {len(lines) - 8} more)" if len(lines) > 8 else ""
+                raise _Mismatch("; ".join(lines[:8]) + more)
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.load(to_load, storage_reader=reader, process_group=self.pg)
+            except BaseException as e:
+                err = _as_cairn_error(e, f"loading {reader.path}")
+                if err is e:
+                    raise
+                raise err from e
+        # As dcp.load does: a Stateful was loaded through load_state_dict, every
+        # other top-level value is replaced by what was loaded.
+        for k, v in to_load.items():
+            if not isinstance(state[k], Stateful):
+                state[k] = v
 
 

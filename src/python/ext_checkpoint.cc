@@ -445,6 +445,21 @@ void RegisterCheckpoint(nb::module_& m) {
       nb::arg("storage"), "Every checkpoint directory in `storage`, oldest first, as dicts.");
 
   m.def(
+      "copy_checkpoint_dir",
+      [](PyStorage& src, const std::string& src_dir, PyStorage& dst, const std::string& dst_dir,
+         ThreadPool& pool, bool direct_io, bool sync) {
+        CopyOptions opts;
+        opts.direct_io = direct_io;
+        opts.sync = sync;
+        WithoutGil([&] {
+          return CopyCheckpoint(src.s.get(), src_dir, dst.s.get(), dst_dir, &pool, {}, opts);
+        });
+      },
+      nb::arg("src"), nb::arg("src_dir"), nb::arg("dst"), nb::arg("dst_dir"), nb::arg("pool"),
+      nb::arg("direct_io") = true, nb::arg("sync") = true,
+      "Copies the committed checkpoint in directory `src_dir` of `src` to `dst_dir` of `dst`\n"
+      "(CopyCheckpoint: blocks verified in transit, data synced, the manifest committed last).");
+  m.def(
       "copy_checkpoint",
       [](PyStorage& src, const std::string& dst, ThreadPool& pool, bool direct_io, bool sync,
          bool verify_destination) {

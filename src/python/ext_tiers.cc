@@ -101,8 +101,7 @@ long long CheckManagerOptions(nb::handle replicas, bool memory, nb::handle keep,
     invalid("replicas must be an int >= 0, got " + Repr(replicas));
   }
   const long long k = AsLongLong(replicas);
-  nb::object slots =
-      memory_slots.is_none() ? nb::int_(k && memory ? 2 : 1) : nb::borrow(memory_slots);
+  nb::object slots = memory_slots.is_none() ? nb::int_(memory ? 2 : 1) : nb::borrow(memory_slots);
   nb::object one = nb::int_(1);
   for (auto [name, v] : {std::pair<const char*, nb::handle>{"keep", keep.is_none() ? one : keep},
                          {"memory_slots", slots},
@@ -140,7 +139,7 @@ void RegisterTiers(nb::module_& m) {
         nb::arg("memory"), nb::arg("keep").none(), nb::arg("memory_slots").none(),
         nb::arg("durable_every").none(), nb::arg("keep_local").none(), nb::arg("timeout").none(),
         "Raises InvalidArgumentError for a bad CheckpointManager count or timeout; returns "
-        "memory_slots (default: 2 with replicas and memory, else 1).");
+        "memory_slots (default: 2 with memory, else 1).");
   m.attr("RUN_ID_FILE") = std::string(kRunIdFile);
   m.def("memory_tier_name", &MemoryTierName, nb::arg("root"),
         "The shm:// name of the memory tier of the run checkpointing to `root` on this node.");

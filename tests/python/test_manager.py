@@ -271,7 +271,14 @@ def test_replicas_refuse_a_single_memory_slot_and_default_to_two(tmp_path):
         mgr.close()
     mgr = cairn.CheckpointManager(str(tmp_path / "c"), memory=False, replicas=1, memory_slots=1)
     mgr.close()
+    # Two slots by default with a memory tier (the restore contract, docs/memory.md),
+    # one without.
     mgr = cairn.CheckpointManager(str(tmp_path / "d"))
+    try:
+        assert mgr.num_slots == 2
+    finally:
+        mgr.close()
+    mgr = cairn.CheckpointManager(str(tmp_path / "e"), memory=False)
     try:
         assert mgr.num_slots == 1
     finally:

@@ -169,17 +169,38 @@ def test_a_live_managers_tier_is_in_use_and_never_reclaimed(tmp_path):
 def test_memory_limit_refuses_a_save_that_would_exceed_it_and_keeps_the_last_one(tmp_path):
     small = {"w": torch.arange(250_000, dtype=torch.float32)}  # 1 MB: one 2 MiB slot step
     big = {"w": torch.ones(2_000_000)}  # 8 MB
-    with cairn.CheckpointManager(tmp_path / "run", memory_limit=4 << 20,
+    # Room for the two default slots of the small state (2 MiB each), not for big.
+    with cairn.CheckpointManager(tmp_path / "run", memory_limit=6 << 20,
                                  durable_every=1000) as mgr:
         mgr.save(1, small)
         mgr.wait()
         with pytest.raises(ResourceExhaustedError, match="memory_limit.*unchanged"):
             mgr.save(2, big)
         assert [(s, t) for s, t, _ in mgr.candidates()] == [(1, "memory")]
-        assert _ext.allocated_bytes(mgr.shm_dir) <= 4 << 20
+        assert _ext.allocated_bytes(mgr.shm_dir) <= 6 << 20
         mgr.save(3, small)  # training goes on
         mgr.wait()
-        assert [s for s, t, _ in mgr.candidates() if t == "memory"] == [3]
+        # Two slots: step 3 went to the slot the refused save gave back, step 1 stays.
+        assert sorted(s for s, t, _ in mgr.candidates() if t == "memory") == [1, 3]
+
+
+def test_memory_limit_of_one_slot_is_enough_while_every_save_is_durable(tmp_path):
+    """The default configuration needs one slot (the second is created only to keep
+    a memory-only step): a limit with room for one slot of the state holds every
+    durable save; a memory-only save then needs the second slot for the next one,
+    which is refused, the memory-only step staying whole."""
+    small = {"w": torch.arange(250_000, dtype=torch.float32)}  # one 2 MiB slot step
+    with cairn.CheckpointManager(tmp_path / "run", memory_limit=3 << 20) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, small)
+            mgr.wait()
+        assert _ext.allocated_bytes(mgr.shm_dir) <= 3 << 20
+        mgr.save(4, small, durable=False)
+        mgr.wait()
+        with pytest.raises(ResourceExhaustedError, match="memory_limit"):
+            mgr.save(5, small)  # step 4's slot is kept: it would need a second one
+        have = [(s, t) for s, t, _ in mgr.candidates()]
+        assert have[0] == (4, "memory") and (3, "durable") in have, have
 
 
 def test_memory_limit_as_a_fraction_of_dev_shm(tmp_path):
