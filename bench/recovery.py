@@ -135,7 +135,7 @@ def components(ms: dict[str, float], t_kill: float) -> dict[str, float]:
     return {c: times[i + 1] - times[i] for i, c in enumerate(COMPONENTS)}
 
 
-def run_torchft(scratch: Path, args) -> dict:
+def run_torchft(scratch: Path, args, with_cairn: bool = False) -> dict:
     events = scratch / "events.jsonl"
     stop = scratch / "stop"
     env = env_for(scratch)
@@ -151,8 +151,9 @@ def run_torchft(scratch: Path, args) -> dict:
     def start(replica: int) -> subprocess.Popen:
         log = open(scratch / f"rg{replica}-{len(logs)}.log", "w")
         logs.append(log)
+        extra = [str(scratch / "ckpt" / f"rg{replica}")] if with_cairn else []
         return subprocess.Popen([sys.executable, str(WORKER), "torchft", str(events),
-                                 str(replica), addr, str(stop)],
+                                 str(replica), addr, str(stop), *extra],
                                 env=env, start_new_session=True, stdout=log,
                                 stderr=subprocess.STDOUT)
 
@@ -202,8 +203,11 @@ def run_torchft(scratch: Path, args) -> dict:
     before = [e for e in evs if e["pid"] == old_pid and e["ev"] == "step" and e["committed"]]
     surv = [e["t"] for e in evs if e["who"] == "0" and e["ev"] == "step" and e["committed"]]
     gap = max((b - a for a, b in zip(surv, surv[1:]) if b > t_kill), default=None)
+    cr = new.get("cairn_restored")
     return {"t_kill": t_kill, "milestones": ms, "components": components(ms, t_kill),
             "total": ms["first_step"] - t_kill,
+            "cairn_restore": None if cr is None else {k: cr[k] for k in ("tier", "step",
+                                                                         "seconds")},
             "step_before_kill": before[-1]["step"] if before else None,
             "step_after_heal": first["step"],
             "survivor_longest_gap_s": gap,
@@ -220,11 +224,12 @@ def first_index(events: Path, pid: int) -> int:
     return 1 << 30
 
 
-def run_cairn(scratch: Path, args) -> dict:
+def run_cairn(scratch: Path, args, init_sync: bool = True) -> dict:
     events = scratch / "events.jsonl"
     stop = scratch / "stop"
     root = scratch / "ckpt"
     env = env_for(scratch)
+    env["RECOVERY_DDP_INIT_SYNC"] = "1" if init_sync else "0"
     log = open(scratch / "torchrun.log", "w")
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             "--nproc-per-node", "2", "--max-restarts", "3",
@@ -275,7 +280,10 @@ def run_cairn(scratch: Path, args) -> dict:
             "tiers": sorted({str(e.get("tier")) for e in restored})}
 
 
-SYSTEMS = {"torchft": run_torchft, "cairn": run_cairn}
+SYSTEMS = {"torchft": run_torchft, "cairn": run_cairn,
+           "torchft+cairn": lambda scratch, args: run_torchft(scratch, args, with_cairn=True),
+           "cairn, DDP init_sync=False": lambda scratch, args: run_cairn(scratch, args,
+                                                                         init_sync=False)}
 
 
 def versions() -> dict:
@@ -300,16 +308,31 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         out[name] = {"runs": len(ok),
                      "total_median_s": statistics.median(r["total"] for r in ok),
                      "components_median_s": {c: statistics.median(r["components"][c] for r in ok)
-                                             for c in COMPONENTS}}
+                                             for c in COMPONENTS},
+                     "failed_runs": len(rs) - len(ok)}
+        for k in ("survivor_longest_gap_s", "survivor_steps_alone"):
+            vals = [r[k] for r in ok if r.get(k) is not None]
+            if vals:
+                out[name][k + "_median"] = statistics.median(vals)
+        lost = [r["step_before_kill"] - r["step_after_restore"] for r in ok
+                if "step_after_restore" in r]
+        if lost:
+            out[name]["steps_redone_median"] = statistics.median(lost)
     return out
 
 
 def render(doc: dict, png: Path) -> None:
     summ = doc["summary"]
-    print(f"{'system':10} {'total s':>8} " + " ".join(f"{c:>16}" for c in COMPONENTS))
+    print("| system | runs | kill -> first step s | " + " | ".join(COMPONENTS) + " |")
+    print("|---|---:|---:|" + "---:|" * len(COMPONENTS))
     for name, s in summ.items():
-        print(f"{name:10} {s['total_median_s']:8.2f} "
-              + " ".join(f"{s['components_median_s'][c]:16.2f}" for c in COMPONENTS))
+        print(f"| {name} | {s['runs']} | {s['total_median_s']:.2f} | "
+              + " | ".join(f"{s['components_median_s'][c]:.2f}" for c in COMPONENTS) + " |")
+    for name, s in summ.items():
+        extra = {k: v for k, v in s.items() if k not in ("runs", "total_median_s",
+                                                         "components_median_s")}
+        print(f"{name}: {extra}; totals "
+              + ", ".join(f"{r['total']:.2f}" for r in doc["runs"][name] if "total" in r))
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -338,7 +361,8 @@ def render(doc: dict, png: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--systems", default="torchft,cairn")
+    ap.add_argument("--systems", default="torchft,cairn",
+                    help=f"comma-separated, of: {', '.join(SYSTEMS)}")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=10, help="steps before the kill")
     ap.add_argument("--timeout", type=float, default=180.0)
@@ -359,7 +383,8 @@ def main() -> int:
     load0 = os.getloadavg()[0]
     for rep in range(args.reps):
         for name in names:
-            scratch = Path(tempfile.mkdtemp(prefix=f"recovery-{name}-", dir=RESULTS))
+            tag = "".join(c if c.isalnum() else "-" for c in name)
+            scratch = Path(tempfile.mkdtemp(prefix=f"recovery-{tag}-", dir=RESULTS))
             try:
                 r = SYSTEMS[name](scratch, args)
             except Exception as e:  # noqa: BLE001 - recorded, the other runs go on

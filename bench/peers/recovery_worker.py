@@ -1,6 +1,6 @@
 """One trainer process of bench/recovery.py's live-recovery scenario.
 
-    recovery_worker.py torchft EVENTS REPLICA_ID LIGHTHOUSE_ADDR STOP_FILE
+    recovery_worker.py torchft EVENTS REPLICA_ID LIGHTHOUSE_ADDR STOP_FILE [CKPT_ROOT]
     recovery_worker.py cairn  EVENTS CKPT_ROOT STOP_FILE          (under torchrun)
 
 Both modes train the same model (an MLP, 8.4 M float32 parameters + AdamW's two
@@ -139,21 +139,41 @@ def run_torchft() -> None:
     optimizer = torchft.Optimizer(manager, torch.optim.AdamW(ddp.parameters(), lr=1e-4))
     opt_holder.append(optimizer)
     ev("model")
+    mgr = None
+    data = _Position()
+    if len(sys.argv) > 6:  # torchft + cairn: this group's own tiers and data position
+        import cairn
+
+        mgr = cairn.CheckpointManager(sys.argv[6], memory=True, keep=1, memory_slots=2,
+                                      durable_every=50)
+        ev("shm", path=str(mgr.shm_dir))
+        cstate = {"train": cairn.TrainState(model, optimizer.optim, data=data), "ft": manager}
+        t0 = time.time()
+        got = mgr.restore(cstate)
+        ev("cairn_restored", tier=mgr.restored[1] if mgr.restored else None,
+           step=-1 if got is None else got, seconds=time.time() - t0)
     ev("ready")  # the Manager was built before the model (its "pg" milestone)
     try:
         while not stop_requested(stop):
             optimizer.zero_grad()  # starts the quorum (and, when behind, the heal)
-            x, y = batch(manager.current_step(), replica)
+            # torchft alone: the batch follows the (healed) step, as in its example;
+            # with cairn: this group's own data position, restored from its tier.
+            x, y = batch(manager.current_step() if mgr is None else data.step, replica)
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
             committed = manager.should_commit()
             if committed:
                 optimizer.optim.step()
+                data.step += 1
+                if mgr is not None:
+                    mgr.save(manager.current_step(), cstate)
             ev("step", step=manager.current_step(), committed=bool(committed),
                participants=manager.num_participants())
     finally:
         manager.shutdown(wait=False)
         ev("closed")
+    if mgr is not None:  # the clean stop only (see run_cairn)
+        mgr.close()
 
 
 def run_cairn() -> None:
@@ -171,7 +191,11 @@ def run_cairn() -> None:
     # and fails in connectFullMesh (seen in this benchmark's first run).
     rank, _ = cairn.init_distributed("gloo")
     ev("pg")
-    model = nn.parallel.DistributedDataParallel(make_model())
+    # RECOVERY_DDP_INIT_SYNC=0: skip DDP's broadcast of rank 0's initial weights, which
+    # the restore overwrites anyway (every rank restores the same step); torchft's DDP
+    # wrapper skips it too (a dummy process group soaks it up).
+    model = nn.parallel.DistributedDataParallel(
+        make_model(), init_sync=os.environ.get("RECOVERY_DDP_INIT_SYNC", "1") != "0")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = _Position()
     ev("model")
