@@ -197,8 +197,13 @@ def run_torchft(scratch: Path, args, with_cairn: bool = False) -> dict:
     evs = read_events(events)
     new = {e["ev"]: e for e in reversed([e for e in evs if e["pid"] == new_pid])}
     ms = {m: new[m]["t"] for m in MILESTONES[:-1] if m in new}
-    if "restored" not in ms:
-        raise RuntimeError("torchft: the restarted replica never healed (no load_state_dict)")
+    healed = "restored" in ms
+    if not healed:
+        if not with_cairn:
+            raise RuntimeError("torchft: the restarted replica never healed (no load_state_dict)")
+        # cairn restored this group's own newest step, which was already the quorum's
+        # step: nothing to heal.
+        ms["restored"] = ms["ready"]
     ms["first_step"] = first["t"]
     before = [e for e in evs if e["pid"] == old_pid and e["ev"] == "step" and e["committed"]]
     surv = [e["t"] for e in evs if e["who"] == "0" and e["ev"] == "step" and e["committed"]]
@@ -206,6 +211,7 @@ def run_torchft(scratch: Path, args, with_cairn: bool = False) -> dict:
     cr = new.get("cairn_restored")
     return {"t_kill": t_kill, "milestones": ms, "components": components(ms, t_kill),
             "total": ms["first_step"] - t_kill,
+            "healed_from_peer": healed,
             "cairn_restore": None if cr is None else {k: cr[k] for k in ("tier", "step",
                                                                          "seconds")},
             "step_before_kill": before[-1]["step"] if before else None,
@@ -277,12 +283,14 @@ def run_cairn(scratch: Path, args, init_sync: bool = True) -> dict:
     return {"t_kill": t_kill, "milestones": ms, "components": components(ms, t_kill),
             "total": ms["first_step"] - t_kill,
             "step_before_kill": max(before), "step_after_restore": min(e["step"] for e in restored),
+            # a restart that found no checkpoint trains from step 0: not a recovery
+            "restored_nothing": any(e["step"] < 0 for e in restored),
             "tiers": sorted({str(e.get("tier")) for e in restored})}
 
 
 SYSTEMS = {"torchft": run_torchft, "cairn": run_cairn,
            "torchft+cairn": lambda scratch, args: run_torchft(scratch, args, with_cairn=True),
-           "cairn, DDP init_sync=False": lambda scratch, args: run_cairn(scratch, args,
+           "cairn-no-init-sync": lambda scratch, args: run_cairn(scratch, args,
                                                                          init_sync=False)}
 
 
@@ -302,14 +310,17 @@ def versions() -> dict:
 def summarize(runs: dict[str, list[dict]]) -> dict:
     out = {}
     for name, rs in runs.items():
-        ok = [r for r in rs if "error" not in r]
+        ok = [r for r in rs if "error" not in r and not r.get("restored_nothing")
+              and r.get("step_after_restore", 0) >= 0]
         if not ok:
             continue
         out[name] = {"runs": len(ok),
                      "total_median_s": statistics.median(r["total"] for r in ok),
                      "components_median_s": {c: statistics.median(r["components"][c] for r in ok)
                                              for c in COMPONENTS},
-                     "failed_runs": len(rs) - len(ok)}
+                     "failed_runs": sum(1 for r in rs if "error" in r),
+                     "restored_nothing_runs": sum(1 for r in rs if "error" not in r and (
+                         r.get("restored_nothing") or r.get("step_after_restore", 0) < 0))}
         for k in ("survivor_longest_gap_s", "survivor_steps_alone"):
             vals = [r[k] for r in ok if r.get(k) is not None]
             if vals:
@@ -322,7 +333,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
 
 
 def render(doc: dict, png: Path) -> None:
-    summ = doc["summary"]
+    summ = doc["summary"] = summarize(doc["runs"])
     print("| system | runs | kill -> first step s | " + " | ".join(COMPONENTS) + " |")
     print("|---|---:|---:|" + "---:|" * len(COMPONENTS))
     for name, s in summ.items():
@@ -352,8 +363,9 @@ def render(doc: dict, png: Path) -> None:
     ax.set_xlabel("seconds from SIGKILL to the first training step after recovery (medians)")
     ax.set_xlim(0, max(left) * 1.2)
     ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.25))
-    ax.set_title(f"live recovery, ~100 MB state, 2 replicas (medians of "
-                 f"{min(s['runs'] for s in summ.values())})", fontsize=9)
+    ax.set_title(f"live recovery after SIGKILL, 100 MB state, 2 replicas, CPU/gloo "
+                 f"(component medians of >= {min(s['runs'] for s in summ.values())} runs)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     print(f"chart: {png}")
@@ -375,6 +387,7 @@ def main() -> int:
     if args.render:
         doc = json.loads(Path(args.render).read_text())
         render(doc, Path(args.render).with_suffix(".png"))
+        Path(args.render).write_text(json.dumps(doc, indent=1))
         return 0
     RESULTS.mkdir(parents=True, exist_ok=True)
     names = args.systems.split(",")
@@ -420,9 +433,9 @@ def main() -> int:
            "args": vars(args), "lighthouse_flags": LIGHTHOUSE_FLAGS, "runs": runs,
            "left_behind_then_removed": leftovers, "summary": summarize(runs)}
     out = Path(args.out)
+    render(doc, out.with_suffix(".png"))
     out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {out}")
-    render(doc, out.with_suffix(".png"))
     return 0 if all("error" not in r for rs in runs.values() for r in rs) else 1
 
 
