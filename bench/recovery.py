@@ -351,7 +351,7 @@ def render(doc: dict, png: Path) -> None:
     except ImportError:
         print("matplotlib missing: no chart", file=sys.stderr)
         return
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
     names = list(summ)
     left = [0.0] * len(names)
     for c in COMPONENTS:
@@ -363,9 +363,9 @@ def render(doc: dict, png: Path) -> None:
     ax.set_xlabel("seconds from SIGKILL to the first training step after recovery (medians)")
     ax.set_xlim(0, max(left) * 1.2)
     ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.25))
-    ax.set_title(f"live recovery after SIGKILL, 100 MB state, 2 replicas, CPU/gloo "
-                 f"(component medians of >= {min(s['runs'] for s in summ.values())} runs)",
-                 fontsize=9)
+    ax.set_title(f"recovery after SIGKILL, 100 MB state, 2 replicas, gloo\n"
+                 f"(component medians of >= {min(s['runs'] for s in summ.values())} runs; "
+                 f"label: median total)", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     print(f"chart: {png}")
