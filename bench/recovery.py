@@ -141,7 +141,9 @@ def run_torchft(scratch: Path, args, with_cairn: bool = False) -> dict:
     env = env_for(scratch)
     port = free_port()
     lighthouse_bin = Path(sys.executable).parent / "torchft_lighthouse"
-    lh = subprocess.Popen([str(lighthouse_bin), *LIGHTHOUSE_FLAGS, "--bind", f"127.0.0.1:{port}"],
+    hb = ["--heartbeat_timeout_ms", str(args.heartbeat_ms)] if args.heartbeat_ms else []
+    lh = subprocess.Popen([str(lighthouse_bin), *LIGHTHOUSE_FLAGS, *hb,
+                           "--bind", f"127.0.0.1:{port}"],
                           env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                           stderr=open(scratch / "lighthouse.log", "w"))
     addr = f"http://127.0.0.1:{port}"
@@ -380,6 +382,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--monitor-interval", type=float, default=0.1,
                     help="torchrun's --monitor-interval (its default, 0.1 s)")
+    ap.add_argument("--heartbeat-ms", type=int, default=None,
+                    help="the lighthouse's --heartbeat_timeout_ms (default: its own, 5000)")
     ap.add_argument("--keep-scratch", action="store_true", help="keep logs and events")
     ap.add_argument("--out", default=str(RESULTS / "recovery.json"))
     ap.add_argument("--render", help="print the tables and draw the chart of a JSON")
