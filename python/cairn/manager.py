@@ -1018,9 +1018,9 @@ class CheckpointManager:
             # and a memory-only step ends with the manager, as documented there.
             self._end(collective=True, keep_newest=self.flush_on_close)
 
-    def _end(self, collective: bool, keep_newest: bool = True) -> None:
+    def _end(self, collective: bool, keep_newest: bool = True, keep_tier: bool = False) -> None:
         """Frees what the manager holds: its threads, the staging pool's mappings, the
-        memory tier (unless `keep_newest` and it holds the newest step,
+        memory tier (unless `keep_tier`, or `keep_newest` and it holds the newest step,
         _memory_holds_newest) and the lease. `collective`: the ranks meet once first
         (close()), not at exit."""
         self._join_prefault_job()  # it maps a slot: before the pool closes
@@ -1038,8 +1038,11 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - peers may be gone at shutdown
                 pass
         self._repl.close()
-        keep = keep_newest and self._node_leader and self._memory_holds_newest()
-        if keep:
+        keep = keep_tier or (keep_newest and self._node_leader and self._memory_holds_newest())
+        if keep_tier:
+            log.info("cairn: exiting without close(): the memory tier %s stays for the "
+                     "restart (reclaimed after orphan_grace, or by `cairn gc`)", self.shm_dir)
+        elif keep:
             log.warning("cairn: keeping the memory tier %s: it holds a step that no slower "
                         "tier has (a restart restores it; `cairn gc` reclaims it after "
                         "orphan_grace)", self.shm_dir)
@@ -1117,8 +1120,10 @@ class CheckpointManager:
     def _end_at_exit(self) -> None:
         """The interpreter exits with this manager still open (no close()): no
         collective (the peers may be gone), nothing flushed; the save in flight is
-        waited for (bounded), then the manager ends as close() ends it, the memory
-        tier kept if it holds the newest step. Called by the atexit hook."""
+        waited for (bounded), then the manager's threads and mappings end; the memory
+        tier stays, as after a crash (an exit without close() usually is one: a peer
+        died, user code raised), so the restart restores from memory and from the
+        replicas this node holds. Called by the atexit hook."""
         if self._closed or os.getpid() != self._pid:
             return  # closed, or a forked child: the manager is its parent's
         self._closed = True
@@ -1136,7 +1141,7 @@ class CheckpointManager:
                         "stays", self.shm_dir)
             self._background.close()
             return
-        self._end(collective=False)
+        self._end(collective=False, keep_tier=True)
 
     def _flush(self, rec: _Save) -> None:
         """Persists a save that stayed in memory only (close() of a run whose newest
