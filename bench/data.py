@@ -89,6 +89,12 @@ def collate_sizes(batch):
     return batch
 
 
+def collate_tensor(batch):
+    """StreamingDataLoader counts the samples of a batch as ``len(batch)`` of a
+    tensor or ``len(batch[0])`` otherwise, so its batches are tensors."""
+    return torch.tensor(batch, dtype=torch.int64)
+
+
 class StockDataset(torch.utils.data.Dataset):
     """Reads each file through the slow source, like a plain Dataset on a mount."""
 
@@ -273,7 +279,7 @@ def build_loader(kind: str, sc: dict, work: str, seed: int, cache: str, ids: boo
         ds = _streaming_dataset_cls(ids)(remote=remote, local=cache, shuffle=True,
                                          shuffle_seed=seed, batch_size=sc["batch"])
         loader = StreamingDataLoader(ds, batch_size=sc["batch"], num_workers=sc["workers"],
-                                     collate_fn=collate_sizes,
+                                     collate_fn=collate_tensor,
                                      persistent_workers=sc["workers"] > 0)
 
         def fetched():
