@@ -268,8 +268,9 @@ def build_loader(kind: str, sc: dict, work: str, seed: int, cache: str, ids: boo
         ds = cd.CachedFileDataset(uri, cache_dir=cache, shuffle=True, seed=seed,
                                   transform=read_id if ids else read_bytes,
                                   fetch_threads=sc["fetch_threads"])
+        extra = {"multiprocessing_context": sc["cairn_mp"]} if sc.get("cairn_mp") else {}
         loader = cd.DataLoader(ds, batch_size=sc["batch"], num_workers=sc["workers"],
-                               collate_fn=collate_sizes)
+                               collate_fn=collate_sizes, **extra)
         probe = cd.CachedFileDataset(src, cache_dir=cache)  # same cache, for counters
         return loader, lambda: probe.cache_stats()["shared_fetched_bytes"]
     if kind == "streaming":
@@ -605,6 +606,8 @@ def main() -> int:
     ap.add_argument("--no-resume", action="store_true", help="skip the SIGKILL/resume check")
     ap.add_argument("--mds-shard-bytes", type=int, default=1 << 26,
                     help="MDSWriter size_limit (default: Streaming's own, 64 MiB)")
+    ap.add_argument("--cairn-mp", default=None,
+                    help="cairn's multiprocessing_context (default: its own, forkserver)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--log", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -642,6 +645,8 @@ def main() -> int:
             dict(name="bandwidth", n=96, size=1 << 20, latency=0.001, bandwidth=48e6,
                  batch=4, step_s=0.001, workers=w, fetch_threads=8, cap=48e6),
         ]
+    for sc in scenarios:
+        sc["cairn_mp"] = args.cairn_mp
     work = os.path.abspath(args.dir or tempfile.mkdtemp(prefix="cairn-bench-data-"))
     os.makedirs(work, exist_ok=True)
     result = {"num_workers": w, "runs": args.runs, "kinds": kinds, "skipped": skipped,
