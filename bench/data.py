@@ -405,6 +405,28 @@ def train_phase(spec: dict, log_path: str) -> int:
     return 0
 
 
+def _streaming_shm_of(tree: str, remove: bool) -> list[str]:
+    """Streaming's /dev/shm entries (``NNNNNN_<name>``) whose ``NNNNNN_locals``
+    names a cache directory under ``tree``; removed when ``remove``."""
+    prefixes = set()
+    for name in os.listdir("/dev/shm"):
+        if name.endswith("_locals") and name[:6].isdigit():
+            try:
+                with open(os.path.join("/dev/shm", name), "rb") as f:
+                    if tree.encode() in f.read(1 << 16):
+                        prefixes.add(name[:6])
+            except OSError:
+                pass
+    found = sorted(n for n in os.listdir("/dev/shm") if n[:6] in prefixes and n[6:7] == "_")
+    if remove:
+        for n in found:
+            try:
+                os.unlink(os.path.join("/dev/shm", n))
+            except FileNotFoundError:
+                pass
+    return found
+
+
 def _read_ids(log: str) -> tuple[dict, list[int]]:
     with open(log) as f:
         lines = f.read().splitlines()
@@ -477,6 +499,9 @@ def resume_check(kind: str, sc: dict, work: str, runs: int) -> dict:
         if p.wait(timeout=600) != 0:
             raise _child_failed(kind, "resume failed", p, rlog)
         head, resumed = _read_ids(rlog)
+        # What the kill + resume left in /dev/shm (Streaming: its shared state of the
+        # killed run); removed here, a restarted node would have to do the same.
+        left = _streaming_shm_of(d, remove=True) if kind == "streaming" else []
         prefix_ok = killed_ids[:consumed] == full[:consumed]
         exact = prefix_ok and killed_ids[:consumed] + resumed == full
         repeated = len(killed_ids[:consumed] + resumed) - len(set(killed_ids[:consumed] + resumed))
@@ -489,6 +514,7 @@ def resume_check(kind: str, sc: dict, work: str, runs: int) -> dict:
             "repeated": repeated,
             "skipped": skipped,
             "resumed_samples": len(resumed),
+            "dev_shm_left": len(left),
         })
         shutil.rmtree(cache, ignore_errors=True)
     if kind == "streaming":
