@@ -50,6 +50,11 @@ from the harness starting that process to its first batch, and exactness: the
 killed run's saved prefix + the resumed samples must equal an uninterrupted
 run's order (nothing repeated, nothing skipped).
 
+Cold-epoch throughput is reported over the whole epoch (worker start-up
+included) and after the first batch (``steady_samples_per_s``). cairn's
+DataLoader starts its workers from a forkserver by default, the others fork
+theirs; ``--cairn-mp fork`` runs cairn with forked workers too.
+
 Targets (SPEC §4, issue 5): warm-epoch data wait <= 2% of step time; cold
 epoch from the latency-bound source >= 3x the stock loader; >= 0.9x the cap
 from the bandwidth-bound one; bytes fetched = dataset size.
