@@ -29,3 +29,13 @@ def test_bench_data_runs_and_reports(tmp_path):
         assert sc["summary"]["fetched_over_dataset"] == 1.0
         assert sc["cairn"]["warm"]["fetched_bytes"] == 0
     assert "cold_bytes_per_s_over_cap" in res["scenarios"]["bandwidth"]["summary"]
+    # Resume after a SIGKILL mid-epoch: the saved prefix + the resumed samples are the
+    # uninterrupted order (a real kill of a real process; in tiny mode without workers).
+    r = res["resume"]["cairn"]
+    assert r["runs"] == 1 and r["exact_runs"] == 1, r
+    t = r["trials"][0]
+    assert 0 < t["killed_after_samples"] < r["uninterrupted_samples"]
+    assert t["repeated"] == 0 and t["skipped"] == 0
+    # Peers the project venv lacks are skipped with a reason, not silently.
+    for peer in ("torchdata", "streaming"):
+        assert peer in res["kinds"] or res["skipped"][peer]
