@@ -21,7 +21,7 @@ ctest --test-dir build --output-on-failure -j2 --timeout 300 || rc=$?
 
 if [ $rc -eq 0 ]; then
   echo "== Python tests"
-  python -m pytest -q -x tests/python "$@" || rc=$?
+  python -m pytest -q -x --durations=25 tests/python "$@" || rc=$?
 fi
 
 echo "== leftovers (orphaned processes, /dev/shm residue)"

@@ -147,8 +147,17 @@ class Replication:
     def drop_view(self) -> None:
         self.store.drop_view()
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
+        """Ends the replica store. `keep` (an exit without close()): the replicas this
+        node holds for its peers stay, as after a crash, for the restart to restore
+        from; only the lease is released."""
+        if self.store is None:
+            return
         try:
-            self.store.close()
+            if keep:
+                self.store.release_lease()
+            else:
+                self.store.close()
         except Exception as e:  # noqa: BLE001
             log.warning("cairn: %s", e)
+        self.store = None

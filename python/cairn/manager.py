@@ -1037,7 +1037,7 @@ class CheckpointManager:
                 dist.barrier(group=self.pg)
             except Exception:  # noqa: BLE001 - peers may be gone at shutdown
                 pass
-        self._repl.close()
+        self._repl.close(keep=keep_tier)
         keep = keep_tier or (keep_newest and self._node_leader and self._memory_holds_newest())
         if keep_tier:
             log.info("cairn: exiting without close(): the memory tier %s stays for the "
