@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import threading
 from typing import Any, Iterator
 
@@ -30,8 +31,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from cairn import _ext
 from cairn.dcp import Reader
-from cairn.errors import CorruptionError, InvalidArgumentError
+from cairn.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
+
+log = logging.getLogger(__name__)
 
 MODEL = "model"
 OTHER = "other"
@@ -83,6 +87,21 @@ def world() -> tuple[int, int]:
     if dist.is_available() and (_original_is_initialized or dist.is_initialized)():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def delete_step(mgr: Any, step: int) -> None:
+    """Removes `step` from every slower tier of `mgr` (the framework decided it is
+    garbage: nothing names it any more), manifest first, so it is never half-valid.
+    A step already gone is fine; any other failure is logged and the step stays."""
+    for tier in mgr._tiers.slower_tiers():
+        storage, step_dir = mgr._tiers.storage(tier), mgr._tiers.step_dir(step)
+        try:
+            _ext.uncommit(storage, step_dir)
+            storage.delete_dir(step_dir)
+        except NotFoundError:
+            pass
+        except Error as e:
+            log.warning("cairn: deleting step %d of the %s tier: %s", step, tier, e)
 
 
 # ---- splitting a checkpoint dict into a cairn state ----------------------------------

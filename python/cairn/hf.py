@@ -51,8 +51,8 @@ import torch
 
 import transformers
 
-from cairn import _ext, _frameworks as fw
-from cairn.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
+from cairn import _frameworks as fw
+from cairn.errors import CorruptionError, Error, InvalidArgumentError
 from cairn.manager import CheckpointManager
 
 __all__ = ["CairnTrainerMixin", "Trainer", "POINTER_NAME"]
@@ -232,15 +232,7 @@ class CairnTrainerMixin:
         for step in sorted(self._cairn_saved):
             if step >= last or os.path.isdir(os.path.join(run_dir, f"{prefix}-{step}")):
                 continue
-            for tier in mgr._tiers.slower_tiers():
-                storage, step_dir = mgr._tiers.storage(tier), mgr._tiers.step_dir(step)
-                try:
-                    _ext.uncommit(storage, step_dir)  # manifest first: never half-valid
-                    storage.delete_dir(step_dir)
-                except NotFoundError:
-                    pass
-                except Error as e:
-                    log.warning("cairn.hf: deleting step %d of the %s tier: %s", step, tier, e)
+            fw.delete_step(mgr, step)
             self._cairn_saved.discard(step)
 
     # ---- resume --------------------------------------------------------------------

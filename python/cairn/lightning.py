@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from cairn import _ext, _frameworks as fw
-from cairn.errors import CorruptionError, Error, InvalidArgumentError, NotFoundError
+from cairn.errors import CorruptionError, Error, InvalidArgumentError
 from cairn.manager import CheckpointManager
 
 try:  # the unified package first, then the standalone one
@@ -314,15 +314,7 @@ class CheckpointIO(_LightningCheckpointIO):
                 continue
             if step >= self._last_saved:
                 continue
-            for tier in mgr._tiers.slower_tiers():
-                storage, step_dir = mgr._tiers.storage(tier), mgr._tiers.step_dir(step)
-                try:
-                    _ext.uncommit(storage, step_dir)  # manifest first: never half-valid
-                    storage.delete_dir(step_dir)
-                except NotFoundError:
-                    pass
-                except Error as e:
-                    log.warning("cairn: deleting step %d of the %s tier: %s", step, tier, e)
+            fw.delete_step(mgr, step)
             self._garbage.discard(step)
 
 
