@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import os
 import signal
@@ -38,29 +39,20 @@ import torch.distributed as dist  # noqa: E402
 from bench import peers  # noqa: E402
 
 
-def build_state(size_mb: float, layers: int = 16, seed: int = 0) -> dict:
-    """cairn._measure.build_state (bench/checkpoint.py's reference state: a GPT-like
-    stack + Adam, 198 float32 tensors + 66 scalars), restated here so that a peer's
-    session does not import cairn."""
-    import math
+def _load_reference_state():
+    """cairn/_reference_state.py, loaded by path: the module imports torch only, so a
+    peer's session checkpoints cairn's benchmark state without importing cairn."""
+    spec = importlib.util.spec_from_file_location(
+        "cairn_reference_state", REPO / "python" / "cairn" / "_reference_state.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
-    per_d2 = (layers * 12 + 8) * 3 * 4
-    d = max(8, math.ceil((size_mb * 2**20 / per_d2) ** 0.5 / 8) * 8)
-    shapes = {"embed.weight": (4 * d, d), "head.weight": (4 * d, d)}
-    for i in range(layers):
-        shapes[f"layers.{i}.attn.qkv.weight"] = (3 * d, d)
-        shapes[f"layers.{i}.attn.proj.weight"] = (d, d)
-        shapes[f"layers.{i}.mlp.fc1.weight"] = (4 * d, d)
-        shapes[f"layers.{i}.mlp.fc2.weight"] = (d, 4 * d)
-    g = torch.Generator().manual_seed(seed)
-    model, st = {}, {}
-    for name, shape in shapes.items():
-        model[name] = torch.randn(shape, generator=g)
-        st[name] = {"step": torch.tensor(100.0),
-                    "exp_avg": torch.randn(shape, generator=g) * 1e-3,
-                    "exp_avg_sq": torch.rand(shape, generator=g) * 1e-6}
-    return {"model": model, "optim": {"state": st, "param_groups": [
-        {"lr": 3e-4, "betas": (0.9, 0.95), "params": list(shapes)}]}}
+
+def build_state(size_mb: float, layers: int = 16, seed: int = 0) -> dict:
+    """bench/checkpoint.py's reference state (cairn._measure.build_state), of
+    `size_mb` MiB."""
+    return _load_reference_state().build_state(size_mb * 2**20, layers=layers, seed=seed)
 
 
 def like(obj):

@@ -17,7 +17,6 @@ drop the page cache before reads) and ``dropped`` (set when a drop succeeded).
 from __future__ import annotations
 
 import dataclasses
-import math
 import shutil
 import statistics
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from cairn import _ext
+from cairn import _ext, _reference_state
 
 GB = 1e9
 trim = _ext.trim_heap  # returns freed heap pages to the system, so memory figures are honest
@@ -36,35 +35,8 @@ drop_caches = _ext.drop_caches  # sync, then drops the page cache; False when no
 
 
 def build_state(size_gb: float, layers: int = 16, seed: int = 0) -> dict:
-    """A GPT-like model + Adam state totalling ~size_gb, as nested state dicts.
-
-    Per layer: qkv (d x 3d), proj (d x d), fc1 (4d x d), fc2 (d x 4d) weights;
-    plus an embedding and an output head (4d x d each). Each parameter has
-    exp_avg and exp_avg_sq of its shape, so 3 x 66 = 198 tensors (+ 66 step
-    scalars). float32 throughout.
-    """
-    per_d2 = (layers * 12 + 8) * 3 * 4
-    d = max(8, math.ceil((size_gb * GB / per_d2) ** 0.5 / 8) * 8)  # >= size_gb
-    shapes = {"embed.weight": (4 * d, d), "head.weight": (4 * d, d)}
-    for i in range(layers):
-        shapes[f"layers.{i}.attn.qkv.weight"] = (3 * d, d)
-        shapes[f"layers.{i}.attn.proj.weight"] = (d, d)
-        shapes[f"layers.{i}.mlp.fc1.weight"] = (4 * d, d)
-        shapes[f"layers.{i}.mlp.fc2.weight"] = (d, 4 * d)
-    g = torch.Generator().manual_seed(seed)
-    model, state = {}, {}
-    for name, shape in shapes.items():
-        model[name] = torch.randn(shape, generator=g)
-        state[name] = {
-            "step": torch.tensor(100.0),
-            "exp_avg": torch.randn(shape, generator=g) * 1e-3,
-            "exp_avg_sq": torch.rand(shape, generator=g) * 1e-6,
-        }
-    optim = {
-        "state": state,
-        "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "params": list(shapes)}],
-    }
-    return {"model": model, "optim": optim}
+    """The reference state (cairn._reference_state) totalling ~size_gb."""
+    return _reference_state.build_state(size_gb * GB, layers=layers, seed=seed)
 
 
 def tensors(obj) -> list[torch.Tensor]:
