@@ -25,11 +25,11 @@ from xml.sax.saxutils import escape
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 import cairn
 import cairn.errors
 from s3_fault_proxy import FaultProxy
+from test_s3 import _load_equals, _save
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -58,17 +58,6 @@ def _state(seed=0, mib=12):
     n = (mib << 20) // 4 // 2
     return {"w1": torch.randn(n, generator=g), "w2": torch.randn(n // 5, 5, generator=g),
             "step": torch.tensor(seed)}
-
-
-def _save(uri, sd):
-    dcp.save(sd, storage_writer=cairn.Writer(uri))
-
-
-def _load_equals(uri, ref):
-    sd = {k: torch.zeros_like(v) for k, v in ref.items()}
-    dcp.load(sd, storage_reader=cairn.Reader(uri))
-    for k, v in ref.items():
-        assert torch.equal(sd[k], v), k
 
 
 def _uploads(client, bucket, prefix):
