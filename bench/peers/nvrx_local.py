@@ -55,7 +55,7 @@ import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import (
     BasicTensorAwareStateDict, dict_list_map_inplace)
 
-from ._fsync import fsync_tree
+from ._fsync import fsync_file
 from .nvrx_async import PATCH, VERSION, _ensure_dist, apply_cpu_patch
 
 
@@ -138,7 +138,13 @@ class NvrxLocal:
     def wait(self) -> None:
         self.queue.maybe_finalize_async_calls(blocking=True)
         if not self.on_shm:
-            fsync_tree(self.mgr.local_ckpt_dir)
+            # This iteration's files (its own and the replicas it holds) and the
+            # directory; not the whole tree: finalizing has just started removing
+            # the older iterations in a thread of its own.
+            d = Path(self.mgr.local_ckpt_dir)
+            for f in d.glob(self.mgr._filename_from_template(self.step, "*")):
+                fsync_file(f)
+            fsync_file(d)
 
     def _load(self, dest: dict) -> int:
         from . import copy_into
