@@ -1,7 +1,7 @@
 """cairn over s3:// against a server or proxy that misbehaves (issue 22).
 
 Each test puts tests/python/s3_fault_proxy.py between cairn and the module's
-moto server (tests/s3/moto_server.py: signatures checked, Content-MD5 checked
+moto server (tests/s3/moto_server.py: signatures checked, checksums checked
 as S3 does) and makes it answer as a broken server or proxy would: listings
 with keys outside the requested prefix, a continuation token that never
 advances, a listing that never ends (page budget, deadline), a listing
