@@ -145,8 +145,8 @@ uint32_t Crc32cPortable(const void* data, size_t n, uint32_t crc) {
     std::memcpy(&w, p, 8);
     w ^= r;
     r = kTables[7][w & 0xff] ^ kTables[6][(w >> 8) & 0xff] ^ kTables[5][(w >> 16) & 0xff] ^
-        kTables[4][(w >> 24) & 0xff] ^ kTables[3][(w >> 32) & 0xff] ^
-        kTables[2][(w >> 40) & 0xff] ^ kTables[1][(w >> 48) & 0xff] ^ kTables[0][w >> 56];
+        kTables[4][(w >> 24) & 0xff] ^ kTables[3][(w >> 32) & 0xff] ^ kTables[2][(w >> 40) & 0xff] ^
+        kTables[1][(w >> 48) & 0xff] ^ kTables[0][w >> 56];
   }
 #endif
   return ~Bytewise(r, p, n);
@@ -193,9 +193,9 @@ uint32_t Crc32c(const void* data, size_t n, uint32_t crc) {
 std::string Crc32cBase64(uint32_t crc) {
   static const char kAlphabet[] =
       "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  const unsigned char b[4] = {static_cast<unsigned char>(crc >> 24),
-                              static_cast<unsigned char>(crc >> 16),
-                              static_cast<unsigned char>(crc >> 8), static_cast<unsigned char>(crc)};
+  const unsigned char b[4] = {
+      static_cast<unsigned char>(crc >> 24), static_cast<unsigned char>(crc >> 16),
+      static_cast<unsigned char>(crc >> 8), static_cast<unsigned char>(crc)};
   std::string out(8, '=');
   out[0] = kAlphabet[b[0] >> 2];
   out[1] = kAlphabet[((b[0] & 3) << 4) | (b[1] >> 4)];

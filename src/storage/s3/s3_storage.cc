@@ -407,9 +407,9 @@ class S3Storage final : public Storage {
     };
     BodyChecksum sum = BodyChecksum::kOff;
     if (c.body_len > 0 && !has("content-md5")) {
-      sum = c.checksum ? *c.checksum
-                       : (checksum() == BodyChecksum::kOff ? BodyChecksum::kOff
-                                                           : BodyChecksum::kMd5);
+      sum = c.checksum
+                ? *c.checksum
+                : (checksum() == BodyChecksum::kOff ? BodyChecksum::kOff : BodyChecksum::kMd5);
     }
     bool algorithm_header = has("x-amz-checksum-algorithm");
     std::string sum_name, sum_value;
@@ -419,8 +419,8 @@ class S3Storage final : public Storage {
       sum_value.clear();
       if (k == BodyChecksum::kCrc32c) {
         sum_name = "x-amz-checksum-crc32c";
-        sum_value = internal::Crc32cBase64(c.crc32c ? *c.crc32c
-                                                    : internal::Crc32c(c.body, c.body_len));
+        sum_value =
+            internal::Crc32cBase64(c.crc32c ? *c.crc32c : internal::Crc32c(c.body, c.body_len));
       } else if (k == BodyChecksum::kMd5) {
         sum_name = "content-md5";
         sum_value = s3::Md5Base64(c.body, c.body_len);
@@ -509,8 +509,9 @@ class S3Storage final : public Storage {
         // S3 echoes the checksum it verified; a store that does not may have
         // ignored it (this body went unverified by the server; cairn's own
         // checksums still cover it at load).
-        FallBackToMd5("its answer to a PUT with x-amz-checksum-crc32c did not echo it (a store "
-                      "that ignores the header does not check it)");
+        FallBackToMd5(
+            "its answer to a PUT with x-amz-checksum-crc32c did not echo it (a store "
+            "that ignores the header does not check it)");
       }
       if (out.status.code() != StatusCode::kUnavailable) return out;
       double cap =
@@ -1261,8 +1262,8 @@ class S3WritableFile final : public WritableFile {
         body += "<Part><PartNumber>" + std::to_string(i + 1) + "</PartNumber><ETag>" +
                 XmlEscape(parts_[i].etag) + "</ETag>";
         if (crc) {
-          body += "<ChecksumCRC32C>" + internal::Crc32cBase64(parts_[i].crc32c) +
-                  "</ChecksumCRC32C>";
+          body +=
+              "<ChecksumCRC32C>" + internal::Crc32cBase64(parts_[i].crc32c) + "</ChecksumCRC32C>";
         }
         body += "</Part>";
       }
