@@ -317,7 +317,7 @@ def test_credential_source_environment_is_behind_the_environment_provider(aws, m
         cairn.latest_valid(root)
     bucket, prefix = root[len("s3://"):].split("/", 1)
     with pytest.raises(Exception, match="AccessDenied"):
-        boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix)
+        boto3.session.Session().client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix)
     # boto3 with the profile given explicitly assumes the role.
     boto3.Session(profile_name="ckpt").client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix)
 
