@@ -52,8 +52,11 @@ run's order (nothing repeated, nothing skipped).
 
 Cold-epoch throughput is reported over the whole epoch (worker start-up
 included) and after the first batch (``steady_samples_per_s``). cairn's
-DataLoader starts its workers from a forkserver by default, the others fork
-theirs; ``--cairn-mp fork`` runs cairn with forked workers too.
+DataLoader starts its workers from a forkserver by default (started when the
+loader is constructed, torch preloaded), or forks them when the process has a
+single thread at its first ``iter()`` (e.g. under ``OMP_NUM_THREADS=1``); the
+others fork theirs; ``--cairn-mp fork`` (or ``forkserver``) forces one. The start
+method each run's workers got is recorded (``start_methods``).
 
 Targets (SPEC §4, issue 5): warm-epoch data wait <= 2% of step time; cold
 epoch from the latency-bound source >= 3x the stock loader; >= 0.9x the cap
@@ -323,10 +326,15 @@ def run_once(kind: str, sc: dict, work: str, run: int) -> dict:
         _clean_streaming_shm()
     loader, fetched = build_loader(kind, sc, work, run, cache)
     before = 0
+    method = None
     for e in range(2):
         if kind == "cairn":
             loader.set_epoch(e)
         r = train_epoch(loader, sc["step_s"])
+        if method is None and loader.num_workers > 0:
+            # The start method the workers got (cairn's default chooses at the first
+            # iter(): fork in a single-threaded process, else forkserver).
+            method = loader.multiprocessing_context.get_start_method()
         if fetched is None:
             r["fetched_bytes"] = r["bytes"]
         else:
@@ -340,7 +348,7 @@ def run_once(kind: str, sc: dict, work: str, run: int) -> dict:
     shutil.rmtree(cache, ignore_errors=True)
     if os.path.exists(cache + ".fetched"):
         os.unlink(cache + ".fetched")
-    out = {}
+    out = {"start_method": method}
     for name, r in zip(("cold", "warm"), epochs):
         out[name] = {
             "samples_per_s": r["samples"] / r["wall_s"],
@@ -389,12 +397,14 @@ def train_phase(spec: dict, log_path: str) -> int:
     it = iter(loader)
     first = None
     consumed = consumed0
+    method = (loader.multiprocessing_context.get_start_method()
+              if loader.num_workers > 0 else None)
     with open(log_path, "w") as log:
         for batch in it:
             if first is None:
                 first = time.perf_counter() - t0
                 log.write(json.dumps({"first_batch_s": first, "t_start": t_start,
-                                      "t_first": time.time()}) + "\n")
+                                      "t_first": time.time(), "start_method": method}) + "\n")
             log.write(" ".join(str(int(x)) for x in batch) + "\n")
             log.flush()
             consumed += len(batch)
@@ -520,6 +530,7 @@ def resume_check(kind: str, sc: dict, work: str, runs: int) -> dict:
             "skipped": skipped,
             "resumed_samples": len(resumed),
             "dev_shm_left": len(left),
+            "start_method": head.get("start_method"),
         })
         shutil.rmtree(cache, ignore_errors=True)
     if kind == "streaming":
@@ -530,6 +541,7 @@ def resume_check(kind: str, sc: dict, work: str, runs: int) -> dict:
         "restart_to_first_batch_s": statistics.median(t["restart_to_first_batch_s"] for t in trials),
         "exact_runs": sum(t["exact"] for t in trials),
         "runs": len(trials),
+        "start_methods": [t["start_method"] for t in trials],
         "uninterrupted_samples": len(full),
         "trials": trials,
     }
@@ -560,8 +572,8 @@ def floor_wait(sc: dict) -> float:
 
 
 def median_of(runs: list[dict]) -> dict:
-    out = {}
-    for epoch in runs[0]:
+    out = {"start_methods": [r.get("start_method") for r in runs]}
+    for epoch in ("cold", "warm"):
         out[epoch] = {k: statistics.median(r[epoch][k] for r in runs) for k in runs[0][epoch]}
     return out
 
@@ -638,7 +650,8 @@ def main() -> int:
     ap.add_argument("--mds-shard-bytes", type=int, default=1 << 26,
                     help="MDSWriter size_limit (default: Streaming's own, 64 MiB)")
     ap.add_argument("--cairn-mp", default=None,
-                    help="cairn's multiprocessing_context (default: its own, forkserver)")
+                    help="cairn's multiprocessing_context (default: its own choice, fork "
+                         "in a single-threaded process, else forkserver)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--log", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -757,7 +770,8 @@ def main() -> int:
     print(text)
     for name, r in result["scenarios"].items():
         for k in kinds:
-            print(f"# {name} {k}: cold {r[k]['cold']['samples_per_s']:.0f}/s (after the 1st "
+            print(f"# {name} {k} ({','.join(str(m) for m in r[k]['start_methods'])}): "
+                  f"cold {r[k]['cold']['samples_per_s']:.0f}/s (after the 1st "
                   f"batch {r[k]['cold']['steady_samples_per_s']:.0f}/s), warm wait "
                   f"{100 * r[k]['warm']['wait_fraction']:.2f}%, fetched "
                   f"{r[k]['cold']['fetched_bytes'] + r[k]['warm']['fetched_bytes']} of "
@@ -782,7 +796,8 @@ def main() -> int:
         if isinstance(v, dict):
             print(f"# resume {k}: loader->first batch {v['resume_to_first_batch_s']:.3f} s, "
                   f"process->first batch {v['restart_to_first_batch_s']:.3f} s, exact "
-                  f"{v['exact_runs']}/{v['runs']}", file=sys.stderr)
+                  f"{v['exact_runs']}/{v['runs']}, workers started by "
+                  f"{','.join(str(m) for m in v['start_methods'])}", file=sys.stderr)
     return 0
 
 

@@ -53,7 +53,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO))
 
-DEFAULT_PEERS = ["cairn", "dlrover", "torchsnapshot", "nvrx"]
+DEFAULT_PEERS = ["cairn", "dlrover-run", "torchsnapshot", "nvrx", "nvrx-local"]
+
+# Peers whose fastest restore needs their own launcher: the session is one job under
+# it, whose worker saves and SIGKILLs itself and is restarted by the launcher to
+# restore (worker.py --phase supervised). dlrover-run's agent keeps DLRover's shared
+# memory across the worker's death; it needs DLRover's master (its --standalone mode
+# fails on torch 2.13), which the harness starts first and stops after.
+SUPERVISED = {"dlrover-run"}
 
 
 def marked_pids(marker: str) -> list[int]:
@@ -135,6 +142,115 @@ def run_phase(peer: str, phase: str, ranks: int, size_mb: float, reps: int, root
     return results
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"DLRover's master exited ({proc.returncode}):\n"
+                               + log.read_bytes().decode(errors="replace")[-3000:])
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"DLRover's master did not listen on {port} within {timeout:.0f} s")
+
+
+def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM to the process group `proc` leads (started with start_new_session),
+    then SIGKILL to whatever of it is left after `grace` seconds."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_supervised(peer: str, ranks: int, size_mb: float, reps: int, root: Path, out: Path,
+                   marker: str, timeout: float, tmpdir: Path) -> dict:
+    """One job of `peer` under its launcher (SUPERVISED): DLRover's master, then
+    ``dlrover-run --max-restarts 1`` of worker.py --phase supervised. Returns the
+    save and restore results and what was left (a) when the job had ended, with the
+    master still up (the master itself not counted), (b) after the master was stopped.
+    Stops the master's and the job's process groups whatever happens."""
+    py = sys.executable
+    env = dict(os.environ, CAIRN_PEERS_RUN=marker,
+               PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'python'}",
+               PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", TMPDIR=str(tmpdir))
+    port = _free_port()
+    master_log = Path(f"{out}.master.log")
+    job_log = Path(f"{out}.supervised.log")
+    for r in range(ranks):
+        Path(f"{out}.rank{r}.json").unlink(missing_ok=True)
+        Path(f"{out}.restore.rank{r}.json").unlink(missing_ok=True)
+    before = listing()
+    master = job = None
+    with open(master_log, "wb") as mlog, open(job_log, "wb") as jlog:
+        try:
+            master = subprocess.Popen(
+                [py, "-m", "dlrover.python.master.main", "--port", str(port), "--node_num",
+                 "1", "--job_name", f"cairn-peers-{marker[:8]}", "--platform", "local"],
+                cwd=REPO, env=env, stdout=mlog, stderr=subprocess.STDOUT,
+                start_new_session=True)
+            _wait_port(port, master, 120, master_log)
+            cmd = [py, "-m", "dlrover.trainer.torch.main", "--nnodes", "1",
+                   "--nproc_per_node", str(ranks), "--max_restarts", "1",
+                   "-m", "bench.peers.worker", "--peer", peer, "--phase", "supervised",
+                   "--size-mb", str(size_mb), "--reps", str(reps), "--root", str(root),
+                   "--out", str(out)]
+            job = subprocess.Popen(cmd, cwd=REPO, env=dict(env, DLROVER_MASTER_ADDR=
+                                                            f"127.0.0.1:{port}"),
+                                   stdout=jlog, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+            try:
+                job.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            job_rc = job.poll()
+            time.sleep(0.5)
+            left_job = {"processes": len([p for p in marked_pids(marker) if p != master.pid]),
+                        **new_entries(before, [], tmpdir)}
+            _stop_group(master)
+            _stop_group(job)
+            time.sleep(0.5)
+            left_master = {"processes": len(marked_pids(marker)),
+                           **new_entries(before, [], tmpdir)}
+        finally:
+            for proc in (job, master):
+                if proc is not None and proc.poll() is None:
+                    _stop_group(proc, grace=2)
+    results = {}
+    for phase, suffix in (("save", ""), ("restore", ".restore")):
+        results[phase] = []
+        for r in range(ranks):
+            f = Path(f"{out}{suffix}.rank{r}.json")
+            if not f.exists():
+                tail = job_log.read_bytes().decode(errors="replace")[-3000:]
+                raise RuntimeError(f"{peer} ({ranks} ranks, job exit {job_rc}): no {phase} "
+                                   f"result from rank {r}:\n{tail}")
+            results[phase].append(json.loads(f.read_text()))
+    return {**results, "left_after_job": left_job, "left_after_master_stop": left_master,
+            "before": before, "job_rc": job_rc}
+
+
 def median(xs):
     return statistics.median(xs) if xs else None
 
@@ -157,23 +273,34 @@ def one_peer(peer: str, ranks: int, size_mb: float, reps: int, scratch: Path,
     out = scratch / f"{peer}-{ranks}r"
     before = listing()
     shm_dirs: list[str] = []
+    supervised = None
     try:
-        saved = run_phase(peer, "save", ranks, size_mb, reps, root, out, marker, True,
-                          timeout, tmpdir)
-        shm_dirs = saved[0].get("shm_dirs", [])
-        time.sleep(0.5)
-        orphans = marked_pids(marker)
-        after_kill = {"processes": len(orphans), **new_entries(before, shm_dirs, tmpdir)}
-        # The restart comes after the node's orphans are gone, as when a node or
-        # container is restarted (DLRover's saver outlives its SIGKILLed trainer under
-        # plain python, and a restarted DdpCheckpointer then waits 60 s for its sockets
-        # and fails).
-        _kill(orphans)
-        restored = run_phase(peer, "restore", ranks, size_mb, reps, root, out, marker,
-                             False, timeout, tmpdir)
-        time.sleep(0.5)
-        after_close = {"processes": len(marked_pids(marker)),
-                       **new_entries(before, shm_dirs, tmpdir)}
+        if peer in SUPERVISED:
+            supervised = run_supervised(peer, ranks, size_mb, reps, root, out, marker,
+                                        timeout, tmpdir)
+            saved, restored = supervised["save"], supervised["restore"]
+            shm_dirs = saved[0].get("shm_dirs", [])
+            # The launcher restarts the worker at once (its agent, saver and shared
+            # memory stay by design): there is no moment "after the SIGKILL" to look at.
+            after_kill = None
+            after_close = supervised["left_after_job"]
+        else:
+            saved = run_phase(peer, "save", ranks, size_mb, reps, root, out, marker, True,
+                              timeout, tmpdir)
+            shm_dirs = saved[0].get("shm_dirs", [])
+            time.sleep(0.5)
+            orphans = marked_pids(marker)
+            after_kill = {"processes": len(orphans), **new_entries(before, shm_dirs, tmpdir)}
+            # The restart comes after the node's orphans are gone, as when a node or
+            # container is restarted (DLRover's saver outlives its SIGKILLed trainer
+            # under plain python, and a restarted DdpCheckpointer then waits 60 s for its
+            # sockets and fails).
+            _kill(orphans)
+            restored = run_phase(peer, "restore", ranks, size_mb, reps, root, out, marker,
+                                 False, timeout, tmpdir)
+            time.sleep(0.5)
+            after_close = {"processes": len(marked_pids(marker)),
+                           **new_entries(before, shm_dirs, tmpdir)}
     finally:
         # Clean up what the sessions left (ours only).
         _kill(marked_pids(marker))
@@ -190,8 +317,13 @@ def one_peer(peer: str, ranks: int, size_mb: float, reps: int, scratch: Path,
         shutil.rmtree(tmpdir, ignore_errors=True)
     s0 = saved[0]
     steady = s0["saves"][1:]
+    extra = {}
+    if supervised is not None:
+        extra = {"launcher": "dlrover-run (--max-restarts 1) + DLRover's local master",
+                 "left_after_master_stop": supervised["left_after_master_stop"],
+                 "restart_count": restored[0].get("restart_count")}
     return {
-        "peer": peer, "version": s0["version"], "patch": s0["patch"],
+        **extra, "peer": peer, "version": s0["version"], "patch": s0["patch"],
         "fastest_tier": s0["fastest_tier"], "ranks": ranks, "bytes": s0["bytes"],
         "first_save": s0["saves"][0],
         "stall_s": median([s["stall_s"] for s in steady]),
@@ -203,6 +335,7 @@ def one_peer(peer: str, ranks: int, size_mb: float, reps: int, scratch: Path,
         "restore_disk_s": restored[0]["restore_disk_s"],
         "restore_ok": all(r["restore_fast_ok"] and r["restore_disk_ok"] for r in restored),
         "restore_cold": restored[0]["cold"],
+        "restore_evidence": restored[0].get("evidence"),
         "left_after_kill": after_kill, "left_after_close": after_close,
     }
 
@@ -314,16 +447,21 @@ def markdown(result: dict) -> str:
                 continue
 
             def left(d):
+                if d is None:
+                    return "(restarted at once by its launcher)"
                 parts = [f"{d['processes']} processes"] if d["processes"] else []
                 parts += [f"{k}/{n}" for k in ("/dev/shm", "/tmp") for n in d[k]]
                 return ", ".join(parts) or "nothing"
             lines.append(
                 f"| {r['peer']} {r['version']}{' (patched)' if r['patch'] else ''} | "
                 f"{r['stall_s'] * 1e3:.1f} | {r['durable_s']:.3f} | "
-                f"{r['restore_fast_s']:.3f} ({r['restore_tier']}) | {r['restore_disk_s']:.3f} | "
+                f"{r['restore_fast_s']:.3f} ({r['restore_tier']}) | "
+                f"{'–' if r['restore_disk_s'] is None else format(r['restore_disk_s'], '.3f')} | "
                 f"{r['extra_bytes'] / 1e6:.0f} | {r['first_save']['stall_s'] * 1e3:.1f} / "
                 f"{r['first_save']['durable_s']:.2f} | {left(r['left_after_kill'])} | "
-                f"{left(r['left_after_close'])} |")
+                f"{left(r['left_after_close'])}"
+                + (f"; after its master stopped: {left(r['left_after_master_stop'])}"
+                   if "left_after_master_stop" in r else "") + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -381,10 +519,14 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"{peer:14s} {ranks}r stall {row['stall_s'] * 1e3:9.2f} ms  durable "
                       f"{row['durable_s']:7.3f} s  restore {row['restore_tier']} "
-                      f"{row['restore_fast_s']:7.3f} s disk {row['restore_disk_s']:7.3f} s  "
+                      f"{row['restore_fast_s']:7.3f} s disk {row['restore_disk_s'] or 0:7.3f} s  "
                       f"extra {row['extra_bytes'] / 1e6:8.1f} MB  ok={row['restore_ok']}  "
                       f"left(kill) {row['left_after_kill']}  left(close) "
-                      f"{row['left_after_close']}  [{time.time() - t0:.0f} s]", flush=True)
+                      f"{row['left_after_close']}"
+                      + (f"  left(master stopped) {row['left_after_master_stop']}"
+                         if "left_after_master_stop" in row else "")
+                      + (f"  evidence: {row['restore_evidence']}" if row["restore_evidence"]
+                         else "") + f"  [{time.time() - t0:.0f} s]", flush=True)
         result = {"size_mb": args.size_mb, "bytes": fl["bytes"], "ntensors": ntensors,
                   "reps": args.reps, "floors": fl, "rows": rows,
                   "loadavg": os.getloadavg(), "cpus": os.cpu_count(),

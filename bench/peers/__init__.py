@@ -10,7 +10,8 @@ data-parallel job whose every rank holds the same state (DDP):
 * ``restore(dest) -> tier``: in a fresh process (after the saving one was
   SIGKILLed), loads the newest checkpoint from the fastest tier the peer has into
   ``dest`` (a state of the same structure) and names the tier;
-* ``restore_disk(dest)``: the same from the disk copy only;
+* ``restore_disk(dest)``: the same from the disk copy only (an adapter whose
+  ``has_disk_tier`` is False has none: the harness reports no figure);
 * ``close()``: ends the session (what it leaves behind is measured by the harness).
 
 ``ADAPTERS`` maps a peer's name to ``module:Class``; modules are imported lazily
@@ -26,6 +27,12 @@ ADAPTERS = {
     "dlrover": "bench.peers.dlrover_flash:DlroverFlash",
     "torchsnapshot": "bench.peers.torchsnapshot_async:TorchSnapshotAsync",
     "nvrx": "bench.peers.nvrx_async:NvrxAsync",
+    "nvrx-local": "bench.peers.nvrx_local:NvrxLocal",
+    "nvrx-local-disk": "bench.peers.nvrx_local:NvrxLocalDisk",
+    # The same DLRover adapter, its job run under dlrover-run and DLRover's local
+    # master (bench/peers.py: SUPERVISED): its agent keeps the shared memory
+    # across the worker's SIGKILL and restarts the worker, which restores from it.
+    "dlrover-run": "bench.peers.dlrover_flash:DlroverFlashAgent",
 }
 
 

@@ -10,13 +10,14 @@ from pathlib import Path
 def fsync_tree(top: Path) -> None:
     for base, dirs, files in os.walk(top):
         for name in files:
-            fd = os.open(os.path.join(base, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(base, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fsync_file(os.path.join(base, name))
+        fsync_file(base)
+
+
+def fsync_file(path: Path) -> None:
+    """fsync of one file or directory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

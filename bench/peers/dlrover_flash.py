@@ -12,7 +12,17 @@ polls the tracker every 5 ms (its own ``wait_latest_checkpoint`` polls every 3 s
 and then fsyncs the checkpoint directory's files; that fsync is in the figure.
 Restore from memory after a SIGKILL needs ``dlrover-run`` (its agent keeps the
 shared memory); under plain python the restarted process's new saver starts with
-empty shared memory, so ``restore`` reports the tier it actually read."""
+empty shared memory, so ``restore`` reports the tier it actually read.
+``DlroverFlashAgent`` ("dlrover-run") is this adapter run by bench/peers.py under
+``dlrover-run`` with DLRover's local master (its ``--standalone`` mode fails on
+torch 2.13: ``SubprocessHandler.__init__() missing ... 'numa_options'``).
+
+How ``restore`` knows the state came from memory: it reads it with the engine's
+``get_state_dict_from_memory()`` (the shared memory segment, no file) while the
+checkpoint's step directory is renamed away, so no file of that step can be read
+(rank 0 renames it, every rank reads, rank 0 renames it back), and the harness then
+compares every restored tensor with the state that was saved. An empty answer
+(no shared memory: plain python) falls back to the file, reported as "disk"."""
 
 from __future__ import annotations
 
@@ -55,6 +65,7 @@ class DlroverFlash:
         self.root.mkdir(parents=True, exist_ok=True)
         self.ckpt = DdpCheckpointer(str(self.root))
         self.step = None
+        self.evidence = None
 
     def shm_dirs(self) -> list[str]:
         return ["/dev/shm"]  # its segments are named by local rank, not by run
@@ -82,10 +93,26 @@ class DlroverFlash:
 
     def restore(self, dest: dict) -> str:
         engine = self.ckpt._engine
-        step, sd = engine.get_state_dict_from_memory()
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        tracker = self.root / "dlrover_latest.txt"
+        step_dir = self.root / tracker.read_text().strip()
+        hidden = step_dir.with_name(step_dir.name + ".hidden-during-memory-restore")
+        if rank0:
+            step_dir.rename(hidden)  # what the memory read returns cannot be this file
+        if dist.is_initialized():
+            dist.barrier()
+        try:
+            step, sd = engine.get_state_dict_from_memory()
+        finally:
+            if dist.is_initialized():
+                dist.barrier()
+            if rank0:
+                hidden.rename(step_dir)
         if sd:
             from . import copy_into
             copy_into(dest, _unwrap(sd[list(sd)[0]]) if len(sd) == 1 else _unwrap(sd))
+            self.evidence = (f"step {step} from get_state_dict_from_memory() while "
+                             f"{step_dir.name}/ was renamed away")
             return "memory"
         self.restore_disk(dest)
         return "disk"
@@ -102,3 +129,12 @@ class DlroverFlash:
             self.ckpt._engine.close()
         except Exception:
             pass
+
+
+class DlroverFlashAgent(DlroverFlash):
+    """The same adapter; bench/peers.py runs its session under ``dlrover-run`` (its
+    agent hosts the saver and the shared memory, and restarts the SIGKILLed worker)
+    with DLRover's local master."""
+
+    name = "dlrover-run"
+    fastest_tier = "memory (/dev/shm, kept by the dlrover-run agent)"

@@ -235,31 +235,44 @@ def phase_restore(args, cls, state, adapter=None) -> dict:
     tier = adapter.restore(dest)
     fast_s = max_over_ranks(time.perf_counter() - t0)
     ok_fast = same(dest, state)
-    dest = like(state)
-    trim()
-    barrier()
-    cold = drop_caches()
-    barrier()
-    t0 = time.perf_counter()
-    adapter.restore_disk(dest)
-    disk_s = max_over_ranks(time.perf_counter() - t0)
-    ok_disk = same(dest, state)
+    evidence = getattr(adapter, "evidence", None)
+    disk_s, ok_disk, cold = None, True, False
+    if getattr(cls, "has_disk_tier", True):
+        dest = like(state)
+        trim()
+        barrier()
+        cold = drop_caches()
+        barrier()
+        t0 = time.perf_counter()
+        adapter.restore_disk(dest)
+        disk_s = max_over_ranks(time.perf_counter() - t0)
+        ok_disk = same(dest, state)
     adapter.close()
     return {"peer": cls.name, "open_s": open_s, "tier": tier, "restore_fast_s": fast_s,
             "restore_fast_ok": ok_fast, "restore_disk_s": disk_s, "restore_disk_ok": ok_disk,
-            "cold": cold}
+            "cold": cold, "evidence": evidence,
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer", required=True, choices=sorted(peers.ADAPTERS))
-    ap.add_argument("--phase", required=True, choices=["save", "restore"])
+    # supervised: under a launcher that restarts the worker (dlrover-run): the first
+    # start saves and SIGKILLs itself, the restart restores (TORCHELASTIC_RESTART_COUNT)
+    # and writes <out>.restore.rank<R>.json.
+    ap.add_argument("--phase", required=True, choices=["save", "restore", "supervised"])
     ap.add_argument("--size-mb", type=float, required=True)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--root", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--kill", action="store_true")
     args = ap.parse_args(argv)
+    if args.phase == "supervised":
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        args.phase = "restore" if restarted else "save"
+        args.kill = not restarted
+        if restarted:
+            args.out = f"{args.out}.restore"
     torch.set_num_threads(1)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")

@@ -1,10 +1,12 @@
 """Smoke run of every bench/peers adapter on a tiny state, in the peers' environment.
 
-The peers (DLRover, torchsnapshot, NVIDIA Resiliency Ext) are installed by
+The peers (DLRover, torchsnapshot, NVIDIA Resiliency Ext: its async queue and its
+LocalCheckpointManager) are installed by
 scripts/bench_peers_setup.sh into .venv-peers, which CI does not create (it would add
 minutes of downloads): without it these tests are skipped, saying so. With it, each
 adapter runs bench/peers.py's whole sequence once (save, wait, SIGKILL, restore from
-its fastest tier and from disk, both checked bit for bit, leftovers removed), and
+its fastest tier and from disk, both checked bit for bit, leftovers removed; DLRover
+under dlrover-run with its master, restarted by its agent), and
 NVRx's CPU queue is checked to share (not copy) the tensors it saves.
 """
 
@@ -27,7 +29,10 @@ pytestmark = pytest.mark.skipif(
            "(not done in CI: it would add minutes)")
 
 
-@pytest.mark.parametrize("peer", ["cairn", "dlrover", "torchsnapshot", "nvrx"])
+# DLRover runs under dlrover-run with its master (the harness's supervised path, the
+# one that restores from its memory); its plain-python path is the other peers' path.
+@pytest.mark.parametrize("peer", ["cairn", "dlrover-run", "torchsnapshot", "nvrx",
+                                  "nvrx-local"])
 def test_adapter_smoke(peer, tmp_path):
     out = tmp_path / "r.json"
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'python'}")
@@ -43,6 +48,20 @@ def test_adapter_smoke(peer, tmp_path):
     if peer == "cairn":
         assert row["restore_tier"] == "memory", row  # a restarted manager reads its slot
         assert row["left_after_close"]["/dev/shm"] == [], row
+    if peer == "dlrover-run":
+        # The restarted worker read the agent's shared memory while the checkpoint's
+        # files were renamed away, and got the saved values (restore_ok).
+        assert row["restore_tier"] == "memory" and row["restart_count"] == 1, row
+        assert "renamed away" in row["restore_evidence"], row
+        assert row["left_after_master_stop"]["processes"] == 0, row
+    if peer == "nvrx-local":
+        assert row["restore_tier"] == "local (/dev/shm)", row
+        assert row["restore_disk_s"] is None, row  # it keeps no disk copy
+    # Whatever the session left was removed by the harness.
+    assert not any(n for n in os.listdir("/dev/shm")
+                   if n in row["left_after_close"]["/dev/shm"]), row
+    assert not any(os.path.exists(os.path.join("/tmp", n))
+                   for n in row["left_after_close"]["/tmp"]), row
 
 
 def test_nvrx_cpu_queue_shares_tensors(tmp_path):

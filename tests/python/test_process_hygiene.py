@@ -1,6 +1,7 @@
 """No process outlives its trainer: a trainer with cairn.data.DataLoader workers is
 SIGKILLed and every process it started (workers, forkserver, resource tracker) must
-be gone within seconds, with both start methods. Processes are tracked by a marker
+be gone within seconds, with both start methods and with the default's choice of
+fork for a single-threaded trainer. Processes are tracked by a marker
 environment variable that every descendant inherits."""
 
 import os
@@ -29,11 +30,15 @@ TRAINER = textwrap.dedent(
 
     def main():
         ctx, where = sys.argv[1], sys.argv[2]
-        # A threaded trainer, like one with torch.distributed or a CheckpointManager.
-        threading.Thread(target=time.sleep, args=(1000,), daemon=True).start()
+        if where != "single-threaded":
+            # A threaded trainer, like one with torch.distributed or a CheckpointManager.
+            threading.Thread(target=time.sleep, args=(1000,), daemon=True).start()
         ds = cd.ShardDataset(list(range(4)), read_shard)
         kw = {} if ctx == "default" else {"multiprocessing_context": ctx}
         dl = cd.DataLoader(ds, batch_size=2, num_workers=2, **kw)
+        from multiprocessing import forkserver
+        # Started by the constructor, before the first iter() (None: not started).
+        print(forkserver._forkserver._forkserver_pid, flush=True)
         box = []
         if where == "thread":  # the workers are created by a thread that then exits
             t = threading.Thread(target=lambda: box.append(iter(dl)))
@@ -73,17 +78,28 @@ def marked(mark):
     return out
 
 
-def run_and_kill(tmp_path, ctx, where="main"):
+def run_and_kill(tmp_path, ctx, where="main", extra_env=None, info=None):
+    """Runs TRAINER until it has trained 20 batches, SIGKILLs it, returns (start
+    method, processes before the kill, processes left 3 s after). ``info`` (a
+    dict) gets the forkserver's pid as the constructor left it ("None": not
+    started) and whether that process had torch loaded before the kill."""
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     mark = uuid.uuid4().hex
-    env = dict(os.environ, CAIRN_HYGIENE_MARK=mark, PYTHONPATH=os.path.join(REPO, "python"))
+    env = dict(os.environ, CAIRN_HYGIENE_MARK=mark, PYTHONPATH=os.path.join(REPO, "python"),
+               **(extra_env or {}))
     proc = subprocess.Popen([sys.executable, str(script), ctx, where], env=env,
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
+        server = proc.stdout.readline().strip()
         method = proc.stdout.readline().strip()
         ready = proc.stdout.readline().strip()
-        assert ready == "READY", (method, ready)
+        assert ready == "READY", (server, method, ready)
+        if info is not None:
+            info["forkserver_at_construction"] = server
+            if server != "None":
+                with open(f"/proc/{server}/maps") as f:
+                    info["forkserver_has_torch"] = "libtorch" in f.read()
         before = marked(mark)
         proc.kill()  # the trainer only, not its process group
         proc.wait()
@@ -121,11 +137,50 @@ def test_workers_created_by_a_short_lived_thread_live_on_and_still_die_with_the_
 
 
 def test_default_start_method_is_forkserver_and_its_helpers_exit_too(tmp_path):
-    method, before, left = run_and_kill(tmp_path, "default")
+    info = {}
+    method, before, left = run_and_kill(tmp_path, "default", info=info)
     assert method == "forkserver"
     assert any("forkserver" in cmd for _, cmd in before), before
     assert any("resource_tracker" in cmd for _, cmd in before), before
     assert left == [], left
+    # Started by the constructor (so that its start overlaps the trainer's own
+    # work), and it imported torch itself: the workers it forks inherit it instead
+    # of each importing torch after the fork (Python <= 3.12 never preloads the
+    # trainer's __main__).
+    assert info["forkserver_at_construction"] != "None", info
+    assert info["forkserver_has_torch"], info
+
+
+def test_default_forks_a_single_threaded_trainer_and_its_workers_still_exit(tmp_path):
+    # OMP_NUM_THREADS=1: no OpenBLAS/OpenMP pool, so the trainer has one thread when
+    # it creates its workers, and forking them cannot catch another thread's lock.
+    info = {}
+    method, before, left = run_and_kill(tmp_path, "default", where="single-threaded",
+                                        extra_env={"OMP_NUM_THREADS": "1"}, info=info)
+    assert method == "fork"
+    assert info["forkserver_at_construction"] == "None", info  # none was started
+    assert len(before) == 3 and not any("forkserver" in c for _, c in before), before
+    assert left == [], f"still running 3 s after the trainer's SIGKILL: {left}"
+
+
+def test_single_threaded_counts_native_threads(tmp_path):
+    # numpy's OpenBLAS pool is a native thread threading.enumerate() does not show.
+    code = ("import os, threading\n"
+            "from cairn.data import _workers\n"
+            "import numpy, torch\n"
+            "torch.randn(512, 512) @ torch.randn(512, 512)\n"
+            "n = len(os.listdir('/proc/self/task'))\n"
+            "print(threading.active_count(), n, _workers.single_threaded())\n")
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
+    env.pop("OMP_NUM_THREADS", None)
+    env.pop("OPENBLAS_NUM_THREADS", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True, timeout=120).stdout.split()
+    py_threads, os_threads, single = int(out[0]), int(out[1]), out[2] == "True"
+    assert py_threads == 1
+    assert single == (os_threads == 1), out
+    if (os.cpu_count() or 1) > 1:
+        assert os_threads > 1 and not single, out
 
 
 def _read(shard):

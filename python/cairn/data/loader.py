@@ -18,6 +18,14 @@
   a CheckpointManager) can leave a worker hung in a lock held at the fork. With
   a start method other than fork the dataset is pickled to the workers, so an
   unpicklable ``read_shard`` (a lambda) is refused here, with a ValueError.
+  The forkserver is started when the loader is constructed, preloading torch,
+  so that the workers it forks at the first ``iter()`` start in milliseconds
+  once it is up (``_workers.start_forkserver``). Without a
+  ``multiprocessing_context``, a trainer that has a single thread when the
+  workers are created (no thread at all besides the calling one: e.g. a
+  one-process job with ``OMP_NUM_THREADS=1``, before it starts any) forks them
+  instead: with no other thread, no lock can be held at the fork, and fork
+  costs milliseconds where a forkserver costs an ``import torch``.
 * Workers never outlive the trainer, even when it dies by SIGKILL (see
   ``_workers``): each one watches the trainer process and kills itself when it
   is gone, and then the forkserver and the resource tracker exit too.
@@ -142,15 +150,24 @@ class DataLoader(torch.utils.data.DataLoader):
                 "cairn.data.DataLoader needs a cairn.data.CachedFileDataset or ShardDataset "
                 "(or a dataset wrapping one as an attribute)"
             )
+        # No start method given: chosen when the workers are created (__iter__),
+        # fork if the trainer then has a single thread, else forkserver.
+        self._auto_mp = num_workers > 0 and kwargs.get("multiprocessing_context") is None
         if num_workers > 0:
             kwargs["persistent_workers"] = True
-            if kwargs.get("multiprocessing_context") is None:
-                kwargs["multiprocessing_context"] = "forkserver"
+            if self._auto_mp:
+                kwargs["multiprocessing_context"] = "forkserver"  # until __iter__ decides
             method = _workers.start_method(kwargs["multiprocessing_context"])
             if method != "fork" and isinstance(cds, ShardDataset):
+                # Also when fork may be chosen: whether it is depends on the threads
+                # the trainer runs at its first iter(), not on anything known here.
                 _workers.check_picklable("read_shard", cds.read_shard, method)
             kwargs["worker_init_fn"] = _workers.WorkerInit(os.getpid(),
                                                            kwargs.get("worker_init_fn"))
+            if method == "forkserver" and not (self._auto_mp and _workers.single_threaded()):
+                # Now, not at the first iter(): the forkserver's one import of torch
+                # overlaps whatever the trainer does until then (see _workers).
+                _workers.start_forkserver()
         if "in_order" in inspect.signature(torch.utils.data.DataLoader.__init__).parameters:
             if kwargs.get("in_order") is False:
                 raise ValueError("cairn.data.DataLoader needs in_order=True")
@@ -264,6 +281,13 @@ class DataLoader(torch.utils.data.DataLoader):
             consumers=nw * ws,
             num_workers=nw,
         )
+        if self._auto_mp and getattr(self, "_iterator", None) is None:
+            # The workers are created now: fork only if no other thread exists that
+            # could hold a lock at the fork (see _workers.single_threaded).
+            fork = _workers.single_threaded()
+            self.multiprocessing_context = "fork" if fork else "forkserver"
+            if not fork:
+                _workers.start_forkserver()
         with _workers.arm_fork():  # the first iteration starts the workers
             inner = super().__iter__()
         return _Iter(self, inner)
