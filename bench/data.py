@@ -313,6 +313,14 @@ def _clean_streaming_shm() -> None:
         pass
 
 
+def worker_start_method(loader) -> str:
+    """How `loader`'s workers were started (no context: multiprocessing's default)."""
+    import multiprocessing
+
+    ctx = loader.multiprocessing_context
+    return ctx.get_start_method() if ctx is not None else multiprocessing.get_start_method()
+
+
 def run_once(kind: str, sc: dict, work: str, run: int) -> dict:
     src = os.path.join(work, f"src-{sc['name']}")
     keys, sizes = _ext.list_source(src)
@@ -334,7 +342,7 @@ def run_once(kind: str, sc: dict, work: str, run: int) -> dict:
         if method is None and loader.num_workers > 0:
             # The start method the workers got (cairn's default chooses at the first
             # iter(): fork in a single-threaded process, else forkserver).
-            method = loader.multiprocessing_context.get_start_method()
+            method = worker_start_method(loader)
         if fetched is None:
             r["fetched_bytes"] = r["bytes"]
         else:
@@ -397,8 +405,7 @@ def train_phase(spec: dict, log_path: str) -> int:
     it = iter(loader)
     first = None
     consumed = consumed0
-    method = (loader.multiprocessing_context.get_start_method()
-              if loader.num_workers > 0 else None)
+    method = worker_start_method(loader) if loader.num_workers > 0 else None
     with open(log_path, "w") as log:
         for batch in it:
             if first is None:
