@@ -87,6 +87,9 @@ import torch.utils.data
 import cairn.data as cd
 from cairn import _ext
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import _shm  # noqa: E402
+
 
 def read_bytes(path: str) -> int:
     with open(path, "rb") as f:
@@ -493,6 +496,7 @@ def resume_check(kind: str, sc: dict, work: str, runs: int) -> dict:
         cache = os.path.join(d, f"cache-{r}")
         state = os.path.join(d, f"state-{r}.pkl")
         spec = dict(base, cache=cache, state=state)
+        sems_before = _shm.sem_names()
         p = _spawn_child(dict(spec, phase="first"), os.path.join(d, f"first-{r}.log"))
         deadline = time.monotonic() + 600
         killed_at = None
@@ -524,6 +528,11 @@ def resume_check(kind: str, sc: dict, work: str, runs: int) -> dict:
         # What the kill + resume left in /dev/shm (Streaming: its shared state of the
         # killed run); removed here, a restarted node would have to do the same.
         left = _streaming_shm_of(d, remove=True) if kind == "streaming" else []
+        # Named semaphores of the killed run's forkserver queues (cairn's default when
+        # the trainer has threads): killing its whole process group killed the resource
+        # tracker that unlinks them (killing the trainer alone leaves none:
+        # tests/python/test_data_loader.py). Removed, as a restarted node would.
+        sems = _shm.remove_leaked_sems(sems_before)
         prefix_ok = killed_ids[:consumed] == full[:consumed]
         exact = prefix_ok and killed_ids[:consumed] + resumed == full
         repeated = len(killed_ids[:consumed] + resumed) - len(set(killed_ids[:consumed] + resumed))
@@ -537,6 +546,7 @@ def resume_check(kind: str, sc: dict, work: str, runs: int) -> dict:
             "skipped": skipped,
             "resumed_samples": len(resumed),
             "dev_shm_left": len(left),
+            "named_semaphores_left": len(sems),
             "start_method": head.get("start_method"),
         })
         shutil.rmtree(cache, ignore_errors=True)

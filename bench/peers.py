@@ -53,6 +53,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO))
 
+from bench import _shm  # noqa: E402
+
 DEFAULT_PEERS = ["cairn", "dlrover-run", "torchsnapshot", "nvrx", "nvrx-local"]
 
 # Peers whose fastest restore needs their own launcher: the session is one job under
@@ -272,6 +274,7 @@ def one_peer(peer: str, ranks: int, size_mb: float, reps: int, scratch: Path,
     tmpdir.mkdir()
     out = scratch / f"{peer}-{ranks}r"
     before = listing()
+    sems_before = _shm.sem_names()
     shm_dirs: list[str] = []
     supervised = None
     try:
@@ -313,6 +316,9 @@ def one_peer(peer: str, ranks: int, size_mb: float, reps: int, scratch: Path,
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     Path(path).unlink(missing_ok=True)
+        # Named semaphores of the killed sessions' spawn/forkserver queues: their
+        # resource tracker, which would unlink them, was killed with the orphans.
+        sems_removed = len(_shm.remove_leaked_sems(sems_before))
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(tmpdir, ignore_errors=True)
     s0 = saved[0]
@@ -337,6 +343,7 @@ def one_peer(peer: str, ranks: int, size_mb: float, reps: int, scratch: Path,
         "restore_cold": restored[0]["cold"],
         "restore_evidence": restored[0].get("evidence"),
         "left_after_kill": after_kill, "left_after_close": after_close,
+        "named_semaphores_removed": sems_removed,
     }
 
 
@@ -463,6 +470,8 @@ def markdown(result: dict) -> str:
                 + (f"; after its master stopped: {left(r['left_after_master_stop'])}"
                    if "left_after_master_stop" in r else "") + " |")
         lines.append("")
+        for r in [r for r in result["rows"] if r["ranks"] == ranks and r.get("note")]:
+            lines += [f"{r['peer']}, {ranks} rank(s): {r['note']}.", ""]
     return "\n".join(lines)
 
 
