@@ -71,7 +71,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "python"))
+# CAIRN_TREE: another checkout's python/ to time (e.g. before a change), default this one.
+sys.path.insert(0, str(Path(os.environ.get("CAIRN_TREE", REPO)) / "python"))
 sys.path.insert(0, str(REPO / "tests" / "s3"))
 import cairn  # noqa: E402
 from moto_server import MotoServer  # noqa: E402

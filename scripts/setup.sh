@@ -26,12 +26,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=$ROOT/.venv/bin/python
-if ! "$VPY" -c "import torch, nanobind, pytest, numpy, moto, boto3, ray.train, s3fs, s3torchconnector, pytorch_lightning, transformers, accelerate, safetensors; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
+if ! "$VPY" -c "import torch, nanobind, pytest, numpy, moto, boto3, crc32c, ray.train, s3fs, s3torchconnector, pytorch_lightning, transformers, accelerate, safetensors; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
   echo "== installing Python packages"
   "$VPY" -m pip install -q --upgrade pip
   # ray[train]: cairn.ray and its tests (Train V2 API, the default since Ray 2.5x).
+  # crc32c: tests/s3/moto_md5.py checks x-amz-checksum-crc32c as S3 does.
   "$VPY" -m pip install -q "torch==2.13.0" numpy pytest "nanobind>=2.0" "scikit-build-core>=0.10" ninja \
-    "moto[server]" boto3 "ray[train]>=2.60" \
+    "moto[server]" boto3 crc32c "ray[train]>=2.60" \
     "s3fs>=2024.6" "s3torchconnector[dcp]" "pytorch-lightning>=2.5" "transformers>=4.56" "accelerate>=1.1.0" "safetensors>=0.4"
 fi
 

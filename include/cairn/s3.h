@@ -93,12 +93,20 @@ struct S3Options {
   // cairn does not trust in a server's answer"): a whole operation (a
   // listing, a split read, one file's upload from open to completion) ends
   // with kDeadlineExceeded after `operation_deadline_s`
-  // (CAIRN_S3_OPERATION_DEADLINE_S), a listing after `max_list_pages` pages.
+  // (CAIRN_S3_OPERATION_DEADLINE_S), a listing after `max_list_pages` pages
+  // (CAIRN_S3_MAX_LIST_PAGES).
   double operation_deadline_s = 3600;
   int max_list_pages = 100000;
-  // Send Content-MD5 with every body (S3 refuses a body that does not match
-  // it, and cairn retries). CAIRN_S3_CONTENT_MD5=0 turns it off.
-  bool content_md5 = true;
+  // The checksum every PutObject and UploadPart body carries, which the
+  // server verifies (a body changed on the way is refused with BadDigest,
+  // and cairn sends it again): "crc32c" (x-amz-checksum-crc32c, a hardware
+  // CRC; multipart uploads are created with x-amz-checksum-algorithm CRC32C
+  // and completed with each part's ChecksumCRC32C), "md5" (Content-MD5,
+  // ~15x the CPU), "off". With "crc32c", a store that refuses the header as
+  // unsupported, or answers without echoing it (so may not check it), gets
+  // Content-MD5 instead, from then on in this process (logged once; see
+  // docs/storage.md). CAIRN_S3_CHECKSUM.
+  std::string checksum = "crc32c";
 };
 
 // S3Options filled from the environment (see the top of this file).

@@ -204,7 +204,10 @@ class StagingPool {
   // the item is not empty; kInvalidArgument) and copies nothing on error.
   Status CopyItems(const StagedSave& save, std::span<const StageSource> sources, ThreadPool* pool,
                    uint64_t piece_bytes = kDefaultCopyPieceBytes);
-  // Zeroes every byte of the slot of `save` that belongs to no item.
+  // Zeroes every byte of the slot of `save` that belongs to no item. Skipped
+  // when the previous save into this mapping of the slot had the same padding
+  // and zeroed it: every save of an unchanged state (the tail of a slot is
+  // ~1/3 of a small save's bytes).
   Status ZeroPadding(const StagedSave& save, ThreadPool* pool);
   // Each item's location in the slot (file 0) with one checksum per
   // `block_size` block, hashed in parallel over every block of every item.
@@ -263,6 +266,12 @@ class StagingPool {
   // AcquiredMemory of save.slot, checked to hold save.bytes.
   Status SaveMemory(const StagedSave& save, std::string_view what, char** data,
                     uint64_t* size) const;
+  // The padding ZeroPadding last zeroed in slot `index` ([begin, end) pairs,
+  // flattened) while mapped at `data`. BeginSave forgets it unless the new save
+  // has the same padding (its items then write none of those bytes); CopyIn
+  // forgets it (it writes anywhere).
+  bool PaddingKnownZero(size_t index, const char* data, const std::vector<uint64_t>& ranges) const;
+  void SetPaddingZeroed(size_t index, const char* data, std::vector<uint64_t> ranges);
   // CopyIn (Span = CopySpan) or CopyOut (CopyOutSpan) of acquired slot `index`.
   template <typename Span>
   Status CopySlot(size_t index, std::span<const Span> spans, ThreadPool* pool,

@@ -132,10 +132,10 @@ class SlotStager:
             out[i] = dst
             if plain:
                 memcpy.append((i, src.data_ptr()))
-            elif host:
-                by_torch.append((src, dst))
+            elif host:  # detached: a copy into the slot records no autograd history
+                by_torch.append((src.detach(), dst))
             else:
-                on_device.append((src, dst))
+                on_device.append((src.detach(), dst))
         streams = self._copy_from_devices(save, on_device) if on_device else []
         half = len(memcpy) // 2
         self.pool.copy_items(save, memcpy[:half])

@@ -81,6 +81,7 @@ from torch.futures import Future
 
 from cairn import _chaos, _ext, _memory_budget, _pools, _replication
 from cairn._staging import SlotStager, byte_source, staged_nbytes
+from cairn._state_shape import StateShape
 from cairn._dcp_metadata import Location, manifest_from_metadata
 from cairn.dcp import VALUE_MAGIC, Reader, unwrap, value_bytes
 from cairn.errors import CorruptionError, Error, InvalidArgumentError, TimeoutError
@@ -201,6 +202,10 @@ class _StagingWriter(StorageWriter):
         self.planner: SavePlanner | None = None
         self.local_results: list[WriteResult] = []
         self.staged: Any = None  # the _ext.StagedSave of this rank's items
+        # (Work, tensor) of the all-reduce agreeing on a save staged with the cached
+        # plan, which the background job checks (CheckpointManager._check_agreement)
+        self.agreement: Any = None
+        self.failed: BaseException | None = None  # this rank's staging error, raised later
         self.used = 0
         self.capacity = 0
         self.address = 0
@@ -238,10 +243,12 @@ class _StagingWriter(StorageWriter):
         fut.set_result(self.local_results)
         return fut
 
-    def stage(self, sources: list[Any]) -> None:
-        """Stages this rank's items (`sources`, in plan order) into the slot."""
+    def stage(self, sources: list[Any], lengths: list[int] | None = None) -> None:
+        """Stages this rank's items (`sources`, in plan order; `lengths` their
+        staged_nbytes, when known) into the slot."""
         mgr = self.mgr
-        lengths = [staged_nbytes(s) for s in sources]
+        if lengths is None:
+            lengths = [staged_nbytes(s) for s in sources]
         # Room for the slot on this node, checked before anything in it changes.
         mgr._budget.check(self.slot, int(_ext.staged_bytes(lengths)))
         # The slot may still hold an older memory-tier checkpoint: uncommit it before
@@ -278,6 +285,18 @@ class _PlanningWriter(_StagingWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([])
         return fut
+
+
+class _Skipped(Error):
+    """A save that every rank skips, not an error of the run: the state's structure
+    changed since the previous save on some ranks but not on others (see _stage).
+    Logged at WARNING; on_durable gets it; wait() does not raise it."""
+
+
+def _skip_message(step: int, rank: int, why: str) -> str:
+    return (f"step {step} was not checkpointed (rank {rank}: {why} since the previous save, "
+            "on some ranks but not on all, which the ranks learn only once each has staged; "
+            "every rank skips this step and the next save() plans anew)")
 
 
 def _state_dict_of(state: dict[str, Any]) -> dict[str, Any]:
@@ -320,14 +339,23 @@ class _PlanCache:
     plan: SavePlan
     plans: list[SavePlan] | None
     metadata: Metadata | None
+    # The state's container tree (one walk checks a new state and yields its leaves),
+    # None when it could not be built: then the state is flattened and compared.
+    shape: StateShape | None = None
     # this rank's items in plan order: (fqn, whether a BYTE_IO value)
     items: list[tuple[str, bool]] = dataclasses.field(default_factory=list)
+    # per plan item, its leaf's index in the flattened state (StateShape.collect's order)
+    order: list[int] = dataclasses.field(default_factory=list)
+    # per plan item, the bytes a tensor item takes in a slot (None for a BYTE_IO value)
+    lengths: list[int | None] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.items = [(it.index.fqn, it.type == WriteItemType.BYTE_IO) for it in self.plan.items]
 
     @classmethod
-    def of(cls, writer: "_StagingWriter") -> "_PlanCache | None":
+    def of(cls, writer: "_StagingWriter", state_dict: dict[str, Any]) -> "_PlanCache | None":
+        """The cache of the save `writer` planned, of `state_dict` (what dcp.save was
+        given: _state_dict_of(state))."""
         planner = writer.planner
         flat = getattr(planner, "state_dict", None)
         # Only the coordinator gets DCP's metadata and every rank's plan (it alone
@@ -339,8 +367,20 @@ class _PlanCache:
         sig = _plan_signature(flat)
         if sig is None:
             return None
-        return cls(sig, getattr(planner, "mappings", None), writer.plan, writer.plans,
-                   writer.metadata)
+        mappings = getattr(planner, "mappings", None)
+        cache = cls(sig, mappings, writer.plan, writer.plans, writer.metadata)
+        # Every item must be a whole leaf (no chunk of a tensor): the steady path
+        # stages each leaf as one item.
+        index = {fqn: i for i, fqn in enumerate(flat)}
+        if (isinstance(mappings, dict) and list(mappings) == list(flat)
+                and all(it.index.offset is None or not any(it.index.offset)
+                        for it in writer.plan.items)
+                and len({fqn for fqn, _ in cache.items}) == len(cache.items)):
+            cache.shape = StateShape.of(state_dict, mappings)
+            cache.order = [index[fqn] for fqn, _ in cache.items]
+            cache.lengths = [None if is_bytes else staged_nbytes(flat[fqn])
+                             for fqn, is_bytes in cache.items]
+        return cache
 
     def matches(self, flat: dict[str, Any], mappings: Any) -> bool:
         return mappings == self.mappings and _plan_signature(flat) == self.signature
@@ -413,6 +453,7 @@ class _Save:
     tiers_done: list[str] = dataclasses.field(default_factory=list)
     on_durable: Any = None  # save()'s callback, for a save that goes durable
     body: Any = None  # the memory-tier manifest (_ext.Manifest)
+    skipped: BaseException | None = None  # a _Skipped: nothing committed, no error raised
 
 
 class CheckpointManager:
@@ -674,7 +715,16 @@ class CheckpointManager:
         t0 = time.perf_counter()
         # A failed save leaves `slot` uncommitted (before a byte of it changed): a
         # retry stages there again, never into the kept slot.
-        writer = self._stage(step, slot, state)
+        try:
+            writer = self._stage(step, slot, state)
+        except _Skipped as e:
+            log.warning("cairn: %s", e)
+            if goes_durable and on_durable is not None:
+                try:
+                    on_durable(e)
+                except Exception:  # noqa: BLE001 - as for a save that ran
+                    log.exception("cairn: on_durable callback of step %d failed", step)
+            return False
         stall = time.perf_counter() - t0
         rec = _Save(step=step, slot=slot, durable=goes_durable, writer=writer, stall_s=stall,
                     started=time.perf_counter(), on_durable=on_durable if goes_durable else None)
@@ -720,22 +770,51 @@ class CheckpointManager:
         """The blocking half of save(): stages `state` into `slot`. Raises a
         cairn.Error (DCP's CheckpointException unwrapped, kept as __cause__)."""
         sd = _state_dict_of(state)
-        flat, mappings = flatten_state_dict(sd)
         cache = self._plan_cache
-        hit = cache is not None and cache.matches(flat, mappings)
-        writer, err = self._stage_planned(cache, slot, flat, mappings) if hit else (None, None)
+        # The steady case: one walk checks the state against the cached plan's and
+        # yields its leaves (StateShape); else flatten it and compare.
+        leaves = cache.shape.collect(sd) if cache is not None and cache.shape is not None else None
+        if leaves is not None:
+            hit = True
+            writer, err = self._stage_planned(cache, slot, leaves, None)
+        else:
+            flat, mappings = flatten_state_dict(sd)
+            hit = cache is not None and cache.matches(flat, mappings)
+            writer, err = self._stage_planned(cache, slot, flat, mappings) if hit else (None, None)
         if self._dist:
-            # One all-reduce agrees on both: every rank staged with the cached plan (else
-            # all save through DCP, re-staging the not yet committed slot), and every
-            # rank's staging succeeded (else the save fails on every rank, as in dcp.save).
-            hit, ok = self._all(hit, err is None)
+            # One all-reduce agrees on both: every rank staged with the cached plan, and
+            # every rank's staging succeeded. A rank that did both does not wait for it
+            # (a collective in the stall costs the other ranks' scheduling latency):
+            # the background job checks the outcome before anything is committed
+            # (_check_agreement). A rank that missed or failed waits for it here.
+            if hit and err is None:
+                writer.agreement = self._sum_async(1, 1)
+                return writer
+            hits, _ = self._sum(hit, err is None)
+            if hits < self.world:
+                self._plan_cache = None  # on every rank: the next save plans anew
+            if err is not None and hits < self.world:
+                self._release_slot()  # skipped on every rank (some rank missed the plan)
+                raise _Skipped(_skip_message(step, self.rank, f"staging failed ({err}), and a "
+                                             "state's structure changed"))
+            if err is not None:
+                # This rank's staging failed: the save fails on every rank, each raising
+                # from the same call (wait() or the next save()), as the others learn it
+                # only in the background (_check_agreement).
+                self._release_slot()
+                writer.failed = err
+                return writer
+            if hits:
+                # This rank missed the cached plan; the others staged with it and went
+                # on training: this step cannot be saved consistently. Every rank
+                # skips it (the others in _check_agreement).
+                raise _Skipped(_skip_message(step, self.rank, "its state's structure changed"))
         else:
             ok = err is None
-        if hit and not ok:
-            self._release_slot()
-            if err is not None:
+            if hit and not ok:
+                self._release_slot()
+                assert err is not None
                 raise err
-            raise Error("staging failed on another rank; this save was not started")
         if not hit:
             if writer is not None:
                 self._release_slot()  # staged with the old plan: staged again below
@@ -753,7 +832,7 @@ class CheckpointManager:
                 if err is e:
                     raise
                 raise err from e
-            self._plan_cache = _PlanCache.of(writer)
+            self._plan_cache = _PlanCache.of(writer, sd)
             writer.planner = None  # it holds the state's tensors
         return writer
 
@@ -773,30 +852,71 @@ class CheckpointManager:
                         UserWarning, stacklevel=4)
         return byte_source(data)
 
-    def _stage_planned(self, cache: _PlanCache, slot: int, flat: dict[str, Any],
+    def _stage_planned(self, cache: _PlanCache, slot: int, flat: dict[str, Any] | list[Any],
                        mappings: Any) -> tuple[_StagingWriter, BaseException | None]:
-        """Stages `flat` with the cached plan: what dcp.save would do for a state of
-        this structure, without its planning. Returns (writer, the staging error or
-        None); save() agrees on the outcome with the other ranks."""
+        """Stages a state with the cached plan: what dcp.save would do for a state of
+        this structure, without its planning. `flat` is the flattened state (and
+        `mappings` DCP's), or the list of its leaves StateShape.collect gave. Returns
+        (writer, the staging error or None); save() agrees on the outcome with the
+        other ranks."""
         writer = _StagingWriter(self, slot)
         writer.is_coordinator = self.is_coordinator
         planner = DefaultSavePlanner()
-        planner.state_dict, planner.mappings = flat, mappings
         planner.is_coordinator = self.is_coordinator
         err: BaseException | None = None
         try:
             # The cached plan holds whole plain tensors only (_plan_signature), so each
             # tensor item is its flattened value, as DCP's resolve_data would find it.
-            sources = [self._value_source(fqn, value_bytes(planner, item)) if is_bytes
-                       else flat[fqn].detach()
-                       for item, (fqn, is_bytes) in zip(cache.plan.items, cache.items)]
+            if isinstance(flat, list):
+                values = [flat[i] for i in cache.order]
+                planner.state_dict = {fqn: v for (fqn, is_bytes), v in zip(cache.items, values)
+                                      if is_bytes}
+                lengths = cache.lengths
+            else:
+                values = [flat[fqn] for fqn, _ in cache.items]
+                planner.state_dict, planner.mappings = flat, mappings
+                lengths = None
+            sources = [self._value_source(fqn, value_bytes(planner, item)) if is_bytes else v
+                       for item, (fqn, is_bytes), v in zip(cache.plan.items, cache.items, values)]
+            if lengths is not None:
+                lengths = [staged_nbytes(src) if n is None else n
+                           for src, n in zip(sources, lengths)]
             writer.plan = cache.plan
-            writer.stage(sources)
-            del sources
+            writer.stage(sources, lengths)
+            del sources, values
         except BaseException as e:  # noqa: BLE001 - agreed on in save()
             err = e
         writer.plans, writer.metadata = cache.plans, cache.metadata
         return writer, err
+
+    def _sum(self, *flags: bool) -> tuple[int, ...]:
+        """For each of `flags`, on how many ranks of the checkpoint group it holds
+        (one all-reduce, matching a _sum_async of as many flags on the other ranks)."""
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pg)
+        return tuple(int(x) for x in t.tolist())
+
+    def _sum_async(self, *flags: bool) -> tuple[Any, torch.Tensor]:
+        """_sum without waiting: (the collective's Work, the tensor it sums into)."""
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pg, async_op=True), t
+
+    def _check_agreement(self, rec: _Save) -> None:
+        """Background: the outcome of the all-reduce a save staged with the cached
+        plan did not wait for (_stage). Raises when another rank failed staging
+        (an Error: the save failed on every rank) or missed the cached plan
+        (_Skipped); either way nothing of this save is committed."""
+        work, t = rec.writer.agreement
+        rec.writer.agreement = None
+        work.wait(timeout=timedelta(seconds=self.timeout))
+        hits, oks = (int(x) for x in t.tolist())
+        if hits < self.world:
+            self._plan_cache = None  # read by the next save(), which waits for this job
+            raise _Skipped(_skip_message(rec.step, self.rank,
+                                         "another rank's state changed its structure"))
+        if oks < self.world:
+            raise Error(f"staging of step {rec.step} failed on another rank; "
+                        "this save was not committed")
 
     def _all(self, *flags: bool) -> Any:
         """Whether each of `flags` holds on every rank of the checkpoint group (one
@@ -817,6 +937,9 @@ class CheckpointManager:
     def _persist(self, rec: _Save) -> None:
         try:
             self._persist_inner(rec)
+        except _Skipped as e:  # not an error of the run: logged, the next save plans
+            log.warning("cairn: %s", e)
+            rec.skipped = e
         except BaseException as e:  # kept for the next save()/wait()/close()
             rec.error = e
         finally:
@@ -824,13 +947,17 @@ class CheckpointManager:
             rec.persist_s = time.perf_counter() - rec.started
             if rec.on_durable is not None:
                 try:
-                    rec.on_durable(rec.error)
+                    rec.on_durable(rec.error if rec.skipped is None else rec.skipped)
                 except Exception:  # noqa: BLE001 - the save's outcome stands
                     log.exception("cairn: on_durable callback of step %d failed", rec.step)
 
     def _persist_inner(self, rec: _Save) -> None:
         w = rec.writer
         slot = rec.slot
+        if w.failed is not None:
+            raise w.failed
+        if w.agreement is not None:
+            self._check_agreement(rec)
         # a. checksums of this rank's items, from the slot (C++, GIL released).
         err = None
         sums: list[tuple[int, ...]] = []
@@ -950,7 +1077,8 @@ class CheckpointManager:
             self._last = rec
             self._history.append({"step": rec.step, "stall_s": rec.stall_s,
                                   "persist_s": rec.persist_s, "tiers": list(rec.tiers_done),
-                                  "bytes": rec.writer.used, "ok": rec.error is None})
+                                  "bytes": rec.writer.used,
+                                  "ok": rec.error is None and rec.skipped is None})
             if "memory" in rec.tiers_done:
                 # Its slot holds the newest committed step: kept while no slower tier
                 # has it; else no slot needs keeping (the older ones hold older steps).
@@ -1443,10 +1571,11 @@ class CheckpointManager:
                 return
         writer = _PlanningWriter(self, self._next_slot)
         try:
+            sd = _state_dict_of(state)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save(_state_dict_of(state), storage_writer=writer, process_group=self.pg)
-            self._plan_cache = _PlanCache.of(writer)
+                dcp.save(sd, storage_writer=writer, process_group=self.pg)
+            self._plan_cache = _PlanCache.of(writer, sd)
         except Exception as e:  # noqa: BLE001 - the first save plans instead
             log.info("cairn: planning the first save ahead: %s", e)
             self._plan_cache = None

@@ -53,7 +53,15 @@ void AddPieces(const char* src, char* dst, uint64_t nbytes, uint64_t piece_bytes
 // caches' reach, and small items are often read again soon.
 constexpr size_t kStreamMinBytes = size_t{256} << 10;
 
-void CopyPieces(const std::vector<Piece>& pieces, ThreadPool* pool, bool stream) {
+void CopyPieces(const std::vector<Piece>& pieces, uint64_t total, ThreadPool* pool, bool stream) {
+  // A small copy (a few MiB: checkpointing every step) runs on the calling
+  // thread. Waking the helpers costs tens of microseconds when the machine is
+  // idle and milliseconds when it is loaded, more than they save at this size.
+  // Such a copy stays in the caches, so it is not streamed either.
+  if (total < internal::kInlineCopyBytes) {
+    pool = nullptr;
+    stream = false;
+  }
   internal::ParallelFor(pieces.size(), pool, 0, [&](size_t i) {
     const Piece& p = pieces[i];
     if (stream && p.n >= kStreamMinBytes) {
@@ -87,11 +95,13 @@ Status CopySpans(uint64_t size, std::span<const Span> spans, ThreadPool* pool, u
   }
   std::vector<Piece> pieces;
   pieces.reserve(num_pieces);
+  uint64_t total = 0;
   for (const Span& s : spans) {
     ResolvedSpan r = resolve(s);
     AddPieces(r.src, r.dst, s.nbytes, piece_bytes, &pieces);
+    total += s.nbytes;
   }
-  CopyPieces(pieces, pool, stream);
+  CopyPieces(pieces, total, pool, stream);
   return Status::OK();
 }
 

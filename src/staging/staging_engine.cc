@@ -38,6 +38,17 @@ std::vector<Range> PaddingRanges(const StagedSave& save, uint64_t capacity) {
   return out;
 }
 
+// PaddingRanges flattened to [begin, end) pairs (StagingPool::PaddingKnownZero).
+std::vector<uint64_t> Flat(const std::vector<Range>& ranges) {
+  std::vector<uint64_t> out;
+  out.reserve(2 * ranges.size());
+  for (const Range& r : ranges) {
+    out.push_back(r.begin);
+    out.push_back(r.end);
+  }
+  return out;
+}
+
 }  // namespace
 
 uint64_t StagedBytes(std::span<const uint64_t> lengths) {
@@ -68,6 +79,12 @@ Result<StagedSave> StagingPool::BeginSave(size_t index, std::span<const uint64_t
   CAIRN_ASSIGN_OR_RETURN(StagingSlot slot, AcquireSlot(index, save.bytes, pool));
   save.data = slot.data;
   save.capacity = slot.capacity;
+  // Items laid out otherwise than the last zeroed save's may write into its
+  // padding: forget it before a byte is copied.
+  std::vector<uint64_t> padding = Flat(PaddingRanges(save, slot.capacity));
+  if (!PaddingKnownZero(index, static_cast<const char*>(slot.data), padding)) {
+    SetPaddingZeroed(index, nullptr, {});
+  }
   return save;
 }
 
@@ -96,15 +113,23 @@ Status StagingPool::ZeroPadding(const StagedSave& save, ThreadPool* pool) {
   CAIRN_RETURN_IF_ERROR(SaveMemory(save, "zero the padding of", &data, &cap));
   // Gaps are under 4 KiB each; the tail may be large (the state shrank), so
   // ranges are cut into pieces to spread it over the threads.
+  std::vector<Range> padding = PaddingRanges(save, cap);
+  std::vector<uint64_t> flat = Flat(padding);
+  if (PaddingKnownZero(save.slot, data, flat)) return Status::OK();
   std::vector<Range> pieces;
-  for (const Range& r : PaddingRanges(save, cap)) {
+  uint64_t total = 0;
+  for (const Range& r : padding) {
     for (uint64_t b = r.begin; b < r.end; b += kDefaultCopyPieceBytes) {
       pieces.push_back({b, std::min(r.end, b + kDefaultCopyPieceBytes)});
     }
+    total += r.end - r.begin;
   }
+  // A few KiB of gaps are zeroed here: waking the helpers would cost more.
+  if (total < internal::kInlineCopyBytes) pool = nullptr;
   internal::ParallelFor(pieces.size(), pool, 0, [&](size_t i) {
     std::memset(data + pieces[i].begin, 0, static_cast<size_t>(pieces[i].end - pieces[i].begin));
   });
+  SetPaddingZeroed(save.slot, data, std::move(flat));
   return Status::OK();
 }
 

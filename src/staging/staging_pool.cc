@@ -21,6 +21,9 @@ struct StagingPool::Slot {
   bool in_use = false;
   bool populated = false;     // pre-faulted in this process since the last map
   uint64_t last_release = 0;  // release_seq_ at the last Release (0 = never)
+  // PaddingKnownZero / SetPaddingZeroed: the padding last zeroed, and where.
+  std::vector<uint64_t> zeroed;
+  const char* zeroed_data = nullptr;
 };
 
 std::string StagingPool::SlotDirName(size_t index) { return "slot" + std::to_string(index); }
@@ -197,12 +200,28 @@ Status StagingPool::CopySlot(size_t index, std::span<const Span> spans, ThreadPo
   CAIRN_RETURN_IF_ERROR(AcquiredMemory(index, kIn ? "copy into" : "copy out of", &data, &cap));
   // The slot is the caller's until Release, so the copy runs unlocked.
   if constexpr (kIn) {
+    SetPaddingZeroed(index, nullptr, {});  // it may write into the padding
     return ParallelCopy(data, cap, spans, pool, piece_bytes)
         .WithContext("staging into slot " + std::to_string(index));
   } else {
     return ParallelCopyOut(data, cap, spans, pool, piece_bytes)
         .WithContext("copying out of staging slot " + std::to_string(index));
   }
+}
+
+bool StagingPool::PaddingKnownZero(size_t index, const char* data,
+                                   const std::vector<uint64_t>& ranges) const {
+  std::lock_guard<std::mutex> l(mu_);
+  if (index >= slots_.size()) return false;
+  const Slot& s = *slots_[index];
+  return data != nullptr && s.zeroed_data == data && s.zeroed == ranges;
+}
+
+void StagingPool::SetPaddingZeroed(size_t index, const char* data, std::vector<uint64_t> ranges) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (index >= slots_.size()) return;
+  slots_[index]->zeroed = std::move(ranges);
+  slots_[index]->zeroed_data = data;
 }
 
 Status StagingPool::CopyIn(size_t index, std::span<const CopySpan> spans, ThreadPool* pool,

@@ -434,6 +434,51 @@ TEST_F(StagingPoolTest, AStagedSlotHoldsTheItemsAtTheirOffsetsAndZerosElsewhere)
   EXPECT_EQ(std::memcmp(save->data, expect.data(), expect.size()), 0);
 }
 
+// The bytes a slot must hold after a save of `srcs` at `save`'s offsets.
+std::vector<char> Expected(const StagedSave& save, const std::vector<std::vector<char>>& srcs) {
+  std::vector<char> expect(save.capacity, 0);
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    std::copy(srcs[i].begin(), srcs[i].end(), expect.begin() + save.offsets[i]);
+  }
+  return expect;
+}
+
+TEST_F(StagingPoolTest, PaddingIsZeroAfterEverySaveWhenItsZeroingIsSkipped) {
+  // ZeroPadding skips a padding the previous save of the same layout zeroed. A save
+  // of another layout in between, whose items cover that padding and which fails
+  // before zeroing, must make the next save zero it again; so must CopyIn.
+  auto pool = OpenPool(0, 1);
+  ThreadPool threads(2);
+  std::vector<std::vector<char>> a = {Pattern(100, 1), Pattern(5000, 2)};
+  auto first = StageAll(pool.get(), a, &threads);
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(pool->Release(0).ok());
+  auto again = StageAll(pool.get(), a, &threads);  // same layout: zeroing skipped
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(std::memcmp(again->data, Expected(*again, a).data(), again->capacity), 0);
+  ASSERT_TRUE(pool->Release(0).ok());
+
+  // Another layout: one item over the whole of a's padding; it fails before ZeroPadding.
+  std::vector<char> big = Pattern(12000, 3);
+  auto other = pool->BeginSave(0, std::vector<uint64_t>{big.size()}, &threads);
+  ASSERT_TRUE(other.ok());
+  std::vector<StageSource> src = {{0, big.data()}};
+  ASSERT_TRUE(pool->CopyItems(*other, src, &threads).ok());
+  ASSERT_TRUE(pool->Release(0).ok());
+  auto after = StageAll(pool.get(), a, &threads);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(std::memcmp(after->data, Expected(*after, a).data(), after->capacity), 0);
+
+  // CopyIn may write into the padding: the next save zeroes it again.
+  std::vector<char> junk = Pattern(64, 4);
+  std::vector<CopySpan> spans = {{junk.data(), 200, junk.size()}};
+  ASSERT_TRUE(pool->CopyIn(0, spans, &threads).ok());
+  ASSERT_TRUE(pool->Release(0).ok());
+  auto last = StageAll(pool.get(), a, &threads);
+  ASSERT_TRUE(last.ok());
+  EXPECT_EQ(std::memcmp(last->data, Expected(*last, a).data(), last->capacity), 0);
+}
+
 TEST_F(StagingPoolTest, ItemChecksumsAreEachItemsBlockChecksums) {
   auto pool = OpenPool(0, 1);
   ThreadPool threads(3);

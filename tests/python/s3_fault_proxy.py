@@ -24,16 +24,20 @@ connection. Rules chosen by the test replace chosen requests by a fault:
   which returns a new ``(status, headers, body)`` (headers: a list of
   (name, value); Content-Length is set by the proxy).
 
-A rule matches on the method and a regular expression searched in the
-request target (path and query); ``times`` is how often it fires (-1:
+A rule matches on the method, a regular expression searched in the
+request target (path and query) and, with ``header``, one searched in the
+request's header names (lower case: ``header=r"^x-amz-checksum-"`` matches
+requests that carry a flexible checksum); ``times`` is how often it fires (-1:
 always); ``rule.hits`` counts firings and ``proxy.wait_for(rule)`` blocks
-until it fired (tests synchronize on it instead of sleeping). Bounded: at
-most 64 client connections at once; ``stop()`` closes everything and joins
-every thread.
+until it fired (tests synchronize on it instead of sleeping).
+``proxy.seen`` holds the last 10000 requests as (method, target, {lower-case
+header name: value}). Bounded: at most 64 client connections at once;
+``stop()`` closes everything and joins every thread.
 """
 
 from __future__ import annotations
 
+import collections
 import http.client
 import re
 import socket
@@ -51,7 +55,8 @@ FAULTS = ("503", "500", "reset", "stall", "delay", "drop_response", "flip", "rep
 
 
 class Rule:
-    def __init__(self, fault, method, path, times, stall_s, delay_s=0.0, raw=b"", fn=None):
+    def __init__(self, fault, method, path, times, stall_s, delay_s=0.0, raw=b"", fn=None,
+                 header=None):
         if fault not in FAULTS:
             raise ValueError(fault)
         if fault == "rewrite" and fn is None:
@@ -59,6 +64,7 @@ class Rule:
         self.fault, self.method, self.times, self.stall_s = fault, method, times, stall_s
         self.delay_s, self.raw, self.fn = delay_s, raw, fn
         self.path = re.compile(path) if path else None
+        self.header = re.compile(header) if header else None
         self.hits = 0
         self.fired = threading.Event()
 
@@ -78,6 +84,7 @@ class FaultProxy:
         self._listener.listen(64)
         self.port = self._listener.getsockname()[1]
         self.requests = 0
+        self.seen = collections.deque(maxlen=10000)
         self._accept = threading.Thread(target=self._accept_loop, daemon=True)
         self._accept.start()
 
@@ -86,8 +93,8 @@ class FaultProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def add(self, fault, method=None, path=None, times=1, stall_s=600.0, delay_s=0.0, raw=b"",
-            fn=None) -> Rule:
-        rule = Rule(fault, method, path, times, stall_s, delay_s, raw, fn)
+            fn=None, header=None) -> Rule:
+        rule = Rule(fault, method, path, times, stall_s, delay_s, raw, fn, header)
         with self._lock:
             self._rules.append(rule)
         return rule
@@ -125,15 +132,18 @@ class FaultProxy:
 
     # ---- internals ----
 
-    def _match(self, method: str, target: str) -> Rule | None:
+    def _match(self, method: str, target: str, headers: dict) -> Rule | None:
         with self._lock:
             self.requests += 1
+            self.seen.append((method, target, headers))
             for r in self._rules:
                 if r.times == 0:
                     continue
                 if r.method and r.method != method:
                     continue
                 if r.path and not r.path.search(target):
+                    continue
+                if r.header and not any(r.header.search(k) for k in headers):
                     continue
                 if r.times > 0:
                     r.times -= 1
@@ -184,7 +194,7 @@ class FaultProxy:
                         return
                     buf += chunk
                 body, buf = buf[:length], buf[length:]
-                rule = self._match(method, target)
+                rule = self._match(method, target, {k.lower(): v for k, v in headers})
                 if rule is not None and rule.fault in _FAULT_BODIES:
                     status, reason, code, msg = _FAULT_BODIES[rule.fault]
                     xml = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'

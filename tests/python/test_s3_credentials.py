@@ -7,15 +7,21 @@ answered unsigned as AWS does, against a known web identity token. The IMDSv2
 and container endpoints are tests/s3/aws_endpoints.py subprocesses handing
 out real STS sessions from that moto with a short Expiration; a forwarding
 proxy from the same file serves TLS with a CA made here, and refuses requests
-signed with keys past their Expiration (S3's ExpiredToken).
+signed with keys past their Expiration (S3's ExpiredToken). The ECS
+endpoint proper (AWS_CONTAINER_CREDENTIALS_RELATIVE_URI) is served at
+169.254.170.2:80, an address the test puts on the loopback interface (root
+only) and removes afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +45,10 @@ from moto_server import REGION, MotoServer  # noqa: E402
 
 ROLE_NAME = "cairn-ckpt-role"
 ROLE_ARN = f"arn:aws:iam::123456789012:role/{ROLE_NAME}"
+# A role (and a user) that may assume roles and nothing else: S3 refuses
+# their own credentials, so a test passes only if the role_arn was assumed.
+SOURCE_ROLE_NAME = "cairn-source-role"
+SOURCE_ROLE_ARN = f"arn:aws:iam::123456789012:role/{SOURCE_ROLE_NAME}"
 
 
 class _Moto(MotoServer):
@@ -57,6 +67,17 @@ class _Moto(MotoServer):
         iam.put_role_policy(RoleName=ROLE_NAME, PolicyName="s3", PolicyDocument=json.dumps({
             "Version": "2012-10-17",
             "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+        assume_only = json.dumps({"Version": "2012-10-17", "Statement": [
+            {"Effect": "Allow", "Action": "sts:AssumeRole", "Resource": "*"}]})
+        iam.create_role(RoleName=SOURCE_ROLE_NAME, AssumeRolePolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [
+                {"Effect": "Allow", "Principal": {"AWS": "*"}, "Action": "sts:AssumeRole"}]}))
+        iam.put_role_policy(RoleName=SOURCE_ROLE_NAME, PolicyName="assume",
+                            PolicyDocument=assume_only)
+        iam.create_user(UserName="source")
+        iam.put_user_policy(UserName="source", PolicyName="assume", PolicyDocument=assume_only)
+        k = iam.create_access_key(UserName="source")["AccessKey"]
+        self.source_key, self.source_secret = k["AccessKeyId"], k["SecretAccessKey"]
         iam.create_user(UserName="admin")
         iam.put_user_policy(UserName="admin", PolicyName="all", PolicyDocument=allow_all)
         k = iam.create_access_key(UserName="admin")["AccessKey"]
@@ -124,10 +145,41 @@ class _Proc:
         self.stop()
 
 
-def _metadata(srv, log, ttl=3600, auth_token="", hostile=""):
+def _metadata(srv, log, ttl=3600, auth_token="", hostile="", role_arn=ROLE_ARN,
+              host="127.0.0.1", port=0):
     return _Proc("metadata", "--moto", srv.endpoint, "--key", srv.admin_key, "--secret",
-                 srv.admin_secret, "--role-arn", ROLE_ARN, "--ttl", str(ttl), "--auth-token",
-                 auth_token, "--log", str(log), "--hostile", hostile)
+                 srv.admin_secret, "--role-arn", role_arn, "--ttl", str(ttl), "--auth-token",
+                 auth_token, "--log", str(log), "--hostile", hostile, "--host", host,
+                 "--port", str(port))
+
+
+@contextlib.contextmanager
+def _address_on_loopback(addr):
+    """`addr`/32 on the loopback interface for the block, removed afterwards
+    (unless it was there before). Needs root; processes that do this take
+    turns (an flock on the interface's sysfs directory, which leaves no
+    file behind), so one never removes it under another."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip(f"putting {addr} on lo needs root and iproute2's ip (the ECS endpoint's "
+                    "address; CI runs as root)")
+    lock = os.open("/sys/class/net/lo", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        shown = subprocess.run(["ip", "-4", "addr", "show", "dev", "lo"], capture_output=True,
+                               text=True, check=True).stdout
+        added = f"inet {addr}/" not in shown
+        if added:
+            r = subprocess.run(["ip", "addr", "add", f"{addr}/32", "dev", "lo"],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, f"ip addr add {addr}/32 dev lo: {r.stderr.strip()}"
+        try:
+            yield
+        finally:
+            if added:
+                subprocess.run(["ip", "addr", "del", f"{addr}/32", "dev", "lo"],
+                               capture_output=True, check=False)
+    finally:
+        os.close(lock)  # releases the lock
 
 
 def _records(path):
@@ -176,6 +228,25 @@ def test_web_identity_assumes_the_role_through_sts(aws, monkeypatch):
     assert cairn.latest_valid(root) == root + "/step_1"
 
 
+def test_a_profiles_web_identity_token_file_assumes_its_role(aws, monkeypatch):
+    srv, root, tmp = aws
+    (tmp / "token").write_text(srv.web_identity_token)
+    config = tmp / "config"
+    config.write_text(f"[profile irsa]\nrole_arn = {ROLE_ARN}\n"
+                      f"web_identity_token_file = {tmp / 'token'}\nrole_session_name = prof\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_PROFILE", "irsa")
+    _roundtrip(root + "/step_1")  # nothing else could sign: no keys anywhere
+    # A token the identity provider did not issue: STS refuses.
+    bad = "eyJ" + secrets.token_urlsafe(40)
+    (tmp / "token-bad").write_text(bad)
+    config.write_text(f"[profile irsa]\nrole_arn = {ROLE_ARN}\n"
+                      f"web_identity_token_file = {tmp / 'token-bad'}\n")
+    with pytest.raises(cairn.errors.PermissionDeniedError) as e:
+        cairn.latest_valid(root)
+    assert "InvalidIdentityToken" in str(e.value) and bad not in str(e.value)
+
+
 # ---- the config and credentials files -------------------------------------------------
 
 
@@ -198,6 +269,57 @@ def test_role_arn_with_source_profile_and_the_services_endpoint(aws, monkeypatch
     monkeypatch.setenv("AWS_PROFILE", "nope")
     with pytest.raises(cairn.errors.PreconditionError, match="profile 'nope'"):
         cairn.latest_valid(root)
+
+
+@pytest.mark.parametrize("source", ["EcsContainer", "Ec2InstanceMetadata"])
+def test_role_arn_with_a_credential_source(aws, monkeypatch, source):
+    """role_arn + credential_source: the source (the container endpoint, IMDS)
+    hands out credentials of a role that may only assume roles; S3 accepts
+    the requests only if cairn assumed the profile's role_arn with them."""
+    srv, root, tmp = aws
+    log = tmp / "metadata.log"
+    with _metadata(srv, log, role_arn=SOURCE_ROLE_ARN) as md:
+        if source == "EcsContainer":
+            monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                               f"http://127.0.0.1:{md.port}/creds")
+        else:
+            monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "false")
+            monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{md.port}")
+        # The control: the source's own credentials (the chain reaching it
+        # without a profile) are refused by S3.
+        with pytest.raises(cairn.errors.PermissionDeniedError, match="AccessDenied"):
+            cairn.latest_valid(root)
+        (tmp / "config").write_text(
+            f"[profile ckpt]\nrole_arn = {ROLE_ARN}\ncredential_source = {source}\n")
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp / "config"))
+        monkeypatch.setenv("AWS_PROFILE", "ckpt")
+        _roundtrip(root + "/step_1")
+    assert any("key" in r for r in _records(log))  # the source was asked
+
+
+def test_credential_source_environment_is_behind_the_environment_provider(aws, monkeypatch):
+    """role_arn + credential_source = Environment, with keys in the
+    environment: the environment provider, first in the chain, answers with
+    those keys themselves and the role is not assumed, as with boto3's
+    default session (botocore drops its environment provider only for a
+    profile given explicitly, e.g. boto3.Session(profile_name=...), which
+    cairn, configured by the environment alone, has no way to be given)."""
+    import boto3
+    srv, root, tmp = aws
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", srv.source_key)  # may only assume roles
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", srv.source_secret)
+    (tmp / "config").write_text(
+        f"[profile ckpt]\nrole_arn = {ROLE_ARN}\ncredential_source = Environment\n"
+        f"region = {REGION}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp / "config"))
+    monkeypatch.setenv("AWS_PROFILE", "ckpt")
+    with pytest.raises(cairn.errors.PermissionDeniedError, match="AccessDenied"):
+        cairn.latest_valid(root)
+    bucket, prefix = root[len("s3://"):].split("/", 1)
+    with pytest.raises(Exception, match="AccessDenied"):
+        boto3.session.Session().client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix)
+    # boto3 with the profile given explicitly assumes the role.
+    boto3.Session(profile_name="ckpt").client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix)
 
 
 def test_credential_process_supplies_the_keys(aws, monkeypatch):
@@ -236,6 +358,25 @@ def test_container_endpoint_with_an_authorization_token_file(aws, monkeypatch):
         with pytest.raises(cairn.errors.PermissionDeniedError) as e:
             cairn.latest_valid(root)
         assert "HTTP 401" in str(e.value) and token not in str(e.value)
+
+
+def test_container_relative_uri_is_served_at_169_254_170_2(aws, monkeypatch):
+    """AWS_CONTAINER_CREDENTIALS_RELATIVE_URI (ECS): http://169.254.170.2 +
+    the path, on port 80, where the test serves the container endpoint."""
+    srv, root, tmp = aws
+    log = tmp / "metadata.log"
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost,169.254.170.2")
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost,169.254.170.2")
+    with _address_on_loopback("169.254.170.2"), \
+            _metadata(srv, log, host="169.254.170.2", port=80):
+        monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "/creds")
+        _roundtrip(root + "/step_1")
+        assert "GET /creds" in [r.get("req") for r in _records(log)]
+        assert any("key" in r for r in _records(log))
+        # Not a path: refused, not glued onto the address.
+        monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "@evil.example/creds")
+        with pytest.raises(cairn.errors.InvalidArgumentError, match="must be a path"):
+            cairn.latest_valid(root)
 
 
 def test_instance_metadata_v2_uses_its_session_token(aws, monkeypatch):

@@ -1,13 +1,16 @@
 """cairn over s3:// against a server or proxy that misbehaves (issue 22).
 
 Each test puts tests/python/s3_fault_proxy.py between cairn and the module's
-moto server (tests/s3/moto_server.py: signatures checked, Content-MD5 checked
+moto server (tests/s3/moto_server.py: signatures checked, checksums checked
 as S3 does) and makes it answer as a broken server or proxy would: listings
 with keys outside the requested prefix, a continuation token that never
-advances, a listing page over 1 MiB, a 200 whose body is a truncated
-<Error>, a response lost after the server acted on the request, a byte
-flipped in a part, an absurd declared manifest size, a huge error message,
-a server too slow for the operation's deadline. What must hold: cairn never
+advances, a listing that never ends (page budget, deadline), a listing
+page over 1 MiB, response headers over the cap, a 200 whose body is a
+truncated <Error>, a response lost after the server acted on the request, a
+byte flipped in a part (CRC-32C and Content-MD5), a store that refuses or
+ignores x-amz-checksum-crc32c, an absurd declared manifest size, a huge
+error message, a server too slow for the operation's deadline. What must
+hold: cairn never
 crashes, loops, cuts a key into a wrong name, copies or deletes outside its
 prefix, or reports a commit that did not happen (or a failure of one that
 did).
@@ -15,6 +18,7 @@ did).
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -177,6 +181,49 @@ def test_a_listing_that_never_ends_stops_at_the_operation_deadline(s3, proxy, mo
     assert next(pages) < 15
 
 
+def _endless_pages(counter, marker=False):
+    """A `reply` that answers every listing page with "truncated, go on with
+    a fresh token" (or, for upload listings, fresh markers), counting pages."""
+    def page(target):
+        n = next(counter)
+        if marker:
+            body = (f'<?xml version="1.0" encoding="UTF-8"?><ListMultipartUploadsResult>'
+                    f"<IsTruncated>true</IsTruncated><NextKeyMarker>k{n}</NextKeyMarker>"
+                    f"<NextUploadIdMarker>u{n}</NextUploadIdMarker></ListMultipartUploadsResult>")
+        else:
+            body = (f'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><KeyCount>0'
+                    f"</KeyCount><IsTruncated>true</IsTruncated><NextContinuationToken>t{n}"
+                    f"</NextContinuationToken></ListBucketResult>")
+        body = body.encode()
+        return (f"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    return page
+
+
+def test_a_listing_past_its_page_budget_ends_with_an_error(s3, proxy, monkeypatch):
+    root, *_ = s3
+    _save(root + "/step_1", _state(1, mib=1))
+    monkeypatch.setenv("CAIRN_S3_MAX_LIST_PAGES", "5")
+    # Every page continues with a fresh token, at once: no token repeats and
+    # the deadline is far; only the page budget ends the listing.
+    pages = itertools.count(1)
+    proxy.add("reply", method="GET", path=r"delimiter=%2F&list-type=2", times=-1,
+              raw=_endless_pages(pages))
+    with pytest.raises(cairn.errors.StorageError, match=r"more than 5 pages.*MAX_LIST_PAGES"):
+        cairn.latest_valid(root)
+    assert next(pages) == 6  # pages 1-5 were fetched, then the listing stopped
+    # The same for the listing of multipart uploads (cairn prune).
+    proxy.clear()
+    uploads = itertools.count(1)
+    proxy.add("reply", method="GET", path=r"uploads=", times=-1,
+              raw=_endless_pages(uploads, marker=True))
+    r = _cli("prune", root, "-k", "1")
+    assert r.returncode > 0 and "more than 5 pages" in r.stderr, (r.stdout, r.stderr)
+    assert next(uploads) == 6
+    proxy.clear()
+    assert cairn.latest_valid(root) == root + "/step_1"
+
+
 def test_a_listing_page_over_one_mib_is_parsed(s3, proxy):
     root, client, bucket, prefix = s3
     _save(root + "/step_1", _state(1, mib=1))
@@ -189,6 +236,35 @@ def test_a_listing_page_over_one_mib_is_parsed(s3, proxy):
     files = sorted(e[0] for e in entries if not e[1])
     assert files == names
     assert cairn.latest_valid(root) == root + "/step_1"
+
+
+def _pad_headers(kib):
+    """A rewrite that adds `kib` KiB of response headers (8000-byte values)."""
+    def fn(target, status, headers, body):
+        pad = [(f"x-amz-meta-pad{i}", "p" * 8000) for i in range(kib * 1024 // 8020 + 1)]
+        return status, headers + pad, body
+    return fn
+
+
+def test_response_headers_over_the_cap_are_refused_and_retried(s3, proxy, monkeypatch):
+    root, *_ = s3
+    _save(root + "/step_1", _state(1, mib=1))
+    listing = r"delimiter=%2F&" + _listing_of(s3[3] + "/")
+    # Under the cap (256 KiB, http.h's kMaxHeaderBytes): an answer like any.
+    rule = proxy.add("rewrite", method="GET", path=listing, times=-1, fn=_pad_headers(200))
+    assert cairn.latest_valid(root) == root + "/step_1"
+    assert rule.hits >= 1
+    proxy.clear()
+    # Over it, once: that answer is refused (the transfer aborted, never kept)
+    # and the request sent again.
+    rule = proxy.add("rewrite", method="GET", path=listing, times=1, fn=_pad_headers(320))
+    assert cairn.latest_valid(root) == root + "/step_1"
+    assert rule.hits == 1
+    # Always: a clear error once the attempts run out.
+    monkeypatch.setenv("CAIRN_S3_MAX_ATTEMPTS", "2")
+    proxy.add("rewrite", method="GET", path=listing, times=-1, fn=_pad_headers(320))
+    with pytest.raises(cairn.errors.UnavailableError, match="response headers too long"):
+        cairn.latest_valid(root)
 
 
 # ---- commits -------------------------------------------------------------------------
@@ -251,20 +327,120 @@ def test_a_retried_create_of_an_upload_leaves_no_orphan(s3, proxy):
 # ---- integrity and bounds ----------------------------------------------------------------
 
 
-def test_a_byte_flipped_in_a_part_is_refused_by_the_server_and_resent(s3, proxy, monkeypatch):
+def _sent(proxy, method, path):
+    """The checksum headers of the requests `proxy` saw for `method` and
+    target regex `path`: a list of {name: value}."""
+    return [{k: v for k, v in h.items() if k.startswith("x-amz-checksum") or k == "content-md5"}
+            for m, t, h in proxy.seen if m == method and re.search(path, t)]
+
+
+@pytest.mark.parametrize("mode,header", [("crc32c", "x-amz-checksum-crc32c"),
+                                         ("md5", "content-md5")])
+def test_a_byte_flipped_in_a_part_is_refused_by_the_server_and_resent(s3, proxy, monkeypatch,
+                                                                      mode, header):
     root, *_ = s3
+    if mode != "crc32c":
+        monkeypatch.setenv("CAIRN_S3_CHECKSUM", mode)
     rule = proxy.add("flip", method="PUT", path=r"partNumber=", times=1)
     _save(root + "/step_1", _state(1))
     assert rule.hits == 1
     cairn.verify(root + "/step_1")
     _load_equals(root + "/step_1", _state(1))
-    # The control: without Content-MD5 the server stores the damaged part,
-    # and only cairn's own checksums find it, at load.
-    monkeypatch.setenv("CAIRN_S3_CONTENT_MD5", "0")
+    # Every part carried the checksum (the flipped one twice: refused with
+    # BadDigest, then resent) and nothing else; with CRC-32C the upload was
+    # created with the algorithm (then S3 wants it for every part and in the
+    # completion, which moto_md5.py checks as S3 does).
+    parts = _sent(proxy, "PUT", r"/step_1/data/.*partNumber=")
+    assert len(parts) >= 4 and all(list(p) == [header] for p in parts), parts
+    creates = _sent(proxy, "POST", r"/step_1/data/.*uploads=")
+    assert creates == [{"x-amz-checksum-algorithm": "CRC32C"} if mode == "crc32c" else {}]
+    assert all(list(p) == [header] for p in _sent(proxy, "PUT", r"/step_1/cairn\.manifest"))
+
+
+def test_without_checksums_a_flipped_byte_is_found_only_at_load(s3, proxy, monkeypatch):
+    root, *_ = s3
+    # The control: with no checksum the server stores the damaged part, and
+    # only cairn's own checksums find it, at load.
+    monkeypatch.setenv("CAIRN_S3_CHECKSUM", "off")
     proxy.add("flip", method="PUT", path=r"partNumber=", times=1)
     _save(root + "/step_2", _state(2))
+    assert all(p == {} for p in _sent(proxy, "PUT", r"/step_2/"))
     with pytest.raises(cairn.CorruptionError):
         cairn.verify(root + "/step_2")
+    monkeypatch.setenv("CAIRN_S3_CHECKSUM", "sha1")
+    with pytest.raises(cairn.errors.InvalidArgumentError, match="CAIRN_S3_CHECKSUM"):
+        cairn.latest_valid(root)
+
+
+_SAVE_STEPS = """
+import sys
+import torch, torch.distributed.checkpoint as dcp
+import cairn
+for step in sys.argv[2:]:
+    g = torch.Generator().manual_seed(int(step))
+    sd = {"w": torch.randn(3 << 20, generator=g), "step": torch.tensor(int(step))}
+    dcp.save(sd, storage_writer=cairn.Writer(f"{sys.argv[1]}/step_{step}"))
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, storage_reader=cairn.Reader(f"{sys.argv[1]}/step_{step}"))
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+"""
+
+
+def _save_in_child(root, *steps):
+    """Saves and loads 12 MiB states at root/step_N in a fresh process (what
+    cairn learns about an endpoint's checksums lasts for a process)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", _SAVE_STEPS, root,
+                           *map(str, steps)], capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize("answer", [
+    (400, "InvalidArgument", "Unsupported header 'x-amz-checksum-crc32c' received for this API "
+     "call."),
+    (501, "NotImplemented", "A header you provided implies functionality that is not "
+     "implemented"),
+], ids=["b2-style", "not-implemented"])
+def test_a_store_that_refuses_crc32c_gets_content_md5(s3, proxy, answer):
+    root, *_ = s3
+    status, code, message = answer
+    body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+            f"<Message>{message}</Message></Error>").encode()
+    raw = (f"HTTP/1.1 {status} Refused\r\nContent-Type: application/xml\r\n"
+           f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    # A store without flexible checksums: whatever carries one is refused.
+    rule = proxy.add("reply", header=r"^x-amz-checksum-", times=-1, raw=raw)
+    r = _save_in_child(root, 1, 2)
+    assert r.returncode == 0, r.stderr
+    # Refused once (the first upload's create), then Content-MD5 for every
+    # body of both saves; said once.
+    assert 1 <= rule.hits <= 2, rule.hits
+    assert r.stderr.count("refused x-amz-checksum-crc32c as unsupported") == 1, r.stderr
+    assert "Content-MD5 instead" in r.stderr and code in r.stderr
+    bodies = _sent(proxy, "PUT", r"/step_\d/")
+    assert len(bodies) >= 8 and all(list(p) == ["content-md5"] for p in bodies), bodies
+    assert _sent(proxy, "POST", r"uploads=")[-1] == {}
+    assert cairn.latest_valid(root) == root + "/step_2"
+
+
+def test_a_store_that_ignores_crc32c_gets_content_md5(s3, proxy):
+    root, *_ = s3
+
+    def no_echo(target, status, headers, body):
+        return status, [(k, v) for k, v in headers if not k.lower().startswith("x-amz-checksum")], body
+
+    # A store that ignores the header: it never echoes it, as S3 does the
+    # checksums it verified.
+    proxy.add("rewrite", method="PUT", times=-1, fn=no_echo)
+    r = _save_in_child(root, 1, 2)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("did not echo it") == 1, r.stderr
+    # The upload in flight keeps the CRC-32C it was created with; the second
+    # save is all Content-MD5.
+    assert _sent(proxy, "POST", r"/step_2/.*uploads=") == [{}]
+    second = _sent(proxy, "PUT", r"/step_2/")
+    assert len(second) >= 4 and all(list(p) == ["content-md5"] for p in second), second
+    assert cairn.latest_valid(root) == root + "/step_2"
 
 
 def test_a_huge_declared_manifest_size_is_not_allocated(s3, proxy):

@@ -81,3 +81,50 @@ def test_train_state_roundtrip():
 def test_train_state_rejects_non_stateful_extra():
     with pytest.raises(ValueError, match="not a Stateful"):
         TrainState(torch.nn.Linear(1, 1), step=3)
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_train_state_dict_is_get_state_dicts_while_its_info_is_reused():
+    """TrainState computes DCP's state-dict info once while the parameters are the same
+    objects: its state_dict stays get_state_dict's after steps, and after a parameter,
+    a buffer or the optimizer's parameters are replaced."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ts = TrainState(model, opt)
+
+    def step():
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def check():
+        want_m, want_o = get_state_dict(model, [opt])
+        got = ts.state_dict()
+        assert _same(got["model"], want_m) and _same(got["optim"], want_o)
+
+    check()  # before the optimizer has state
+    step()
+    check()
+    first = ts._info[1]
+    step()
+    check()
+    assert ts._info[1] is first  # reused
+    model[0].weight = torch.nn.Parameter(torch.ones(3, 4))  # a new parameter object
+    opt = ts.optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    step()
+    check()
+    assert ts._info[1] is not first  # recomputed for the new parameter
+    model[1].running_mean = torch.zeros(3)  # a new buffer object
+    check()

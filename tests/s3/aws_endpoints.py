@@ -30,7 +30,9 @@ whose logged expiration has passed, as S3 does; with --log it appends
 {used: key, at: time, host, path} for every signed request; --delay holds each request
 that long (a slow link, so that one save spans several credential lifetimes).
 
-Both print their port on stdout once listening.
+Both listen on 127.0.0.1 on a free port unless ``--host``/``--port`` say
+otherwise (the ECS endpoint is ``http://169.254.170.2:80``), and print their
+port on stdout once listening.
 """
 import argparse
 import http.client
@@ -233,9 +235,12 @@ def main():
     p.add_argument("--expiry-log", default="")
     p.add_argument("--log", default="")
     p.add_argument("--delay", type=float, default=0)
+    for sp in (m, p):
+        sp.add_argument("--host", default="127.0.0.1")
+        sp.add_argument("--port", type=int, default=0)
     args = ap.parse_args()
     handler = metadata(args) if args.cmd == "metadata" else proxy(args)
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv = http.server.ThreadingHTTPServer((args.host, args.port), handler)
     srv.daemon_threads = True
     if args.cmd == "proxy" and args.cert:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

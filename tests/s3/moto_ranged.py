@@ -29,7 +29,8 @@
    at a time, and a retried complete of an upload that was already completed
    answers as S3 does, with the completed object, instead of a 500.
 
-3. Content-MD5 is checked as S3 checks it (moto_md5.py).
+3. Content-MD5 and x-amz-checksum-crc32c are checked as S3 checks them
+   (moto_md5.py).
 
 Everything else is stock moto. Every peer of the benchmark talks to the same
 patched server, so the comparison stays fair.
@@ -258,7 +259,7 @@ def _complete_multipart_upload(self, bucket_name, multipart_id, body):
 
 models.S3Backend.complete_multipart_upload = _complete_multipart_upload
 
-# Content-MD5 checked as S3 does (moto_md5.py).
+# Content-MD5 and flexible checksums checked as S3 does (moto_md5.py).
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 import moto_md5  # noqa: E402
 

@@ -8,8 +8,9 @@ every request's SigV4 signature (auth is switched on through moto's
 ``/moto-api/reset-auth``, the runtime form of INITIAL_NO_AUTH_ACTION_COUNT,
 after the user, its policy and the bucket were created unauthenticated).
 ``srv.env()`` is the environment a cairn process needs (AWS_* variables).
-moto runs through moto_md5.py, which checks Content-MD5 as S3 does (a body
-changed on the way is refused with BadDigest). ``ranged_gets=True`` runs moto
+moto runs through moto_md5.py, which checks Content-MD5 and
+x-amz-checksum-crc32c as S3 does (a body changed on the way is refused with
+BadDigest), with S3's rules for uploads created with a checksum algorithm. ``ranged_gets=True`` runs moto
 through moto_ranged.py (ranged GETs read only
 the range; bench/s3.py uses it).
 
@@ -56,11 +57,16 @@ class MotoServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout=60):
+        try:
+            import crc32c  # noqa: F401 - moto_md5.py checks x-amz-checksum-crc32c with it
+        except ImportError:
+            raise RuntimeError("the test S3 server needs the crc32c package "
+                               "(scripts/setup.sh installs it)") from None
         self.port = free_port()
         env = dict(os.environ)
         env.pop("INITIAL_NO_AUTH_ACTION_COUNT", None)
         here = os.path.dirname(os.path.abspath(__file__))
-        # Each checks Content-MD5 as S3 does (moto_md5.py).
+        # Each checks Content-MD5 and flexible checksums as S3 does (moto_md5.py).
         script = self.script or ("moto_ranged.py" if self.ranged_gets else "moto_md5.py")
         server = [sys.executable, os.path.join(here, script)]
         self.proc = subprocess.Popen(

@@ -44,7 +44,7 @@ if __name__ == "__main__":
     from moto.server import main
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import moto_md5  # S3's Content-MD5 check, as moto_server.py's other servers have it
+    import moto_md5  # S3's checksum checks, as moto_server.py's other servers have them
 
     moto_md5.install()
     main(sys.argv[1:])

@@ -32,8 +32,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
@@ -42,11 +45,13 @@
 #include <optional>
 #include <pugixml.hpp>
 #include <random>
+#include <set>
 #include <thread>
 #include <unordered_set>
 
 #include "cairn/s3.h"
 #include "cairn/thread_pool.h"
+#include "io/crc32c.h"
 #include "io/xxh3.h"
 #include "storage/s3/aws_config.h"
 #include "storage/s3/credentials.h"
@@ -213,6 +218,66 @@ std::string XmlEscape(std::string_view s) {
   return out;
 }
 
+// ---- upload checksums ------------------------------------------------------------
+
+// What a request body carries for the server to verify (S3Options::checksum).
+enum class BodyChecksum { kOff, kMd5, kCrc32c };
+
+bool ContainsNoCase(std::string_view haystack, std::string_view needle) {
+  return std::search(haystack.begin(), haystack.end(), needle.begin(), needle.end(),
+                     [](char a, char b) {
+                       return std::tolower(static_cast<unsigned char>(a)) ==
+                              std::tolower(static_cast<unsigned char>(b));
+                     }) != haystack.end();
+}
+
+// Whether `r` refuses a request's x-amz-checksum-crc32c (or
+// x-amz-checksum-algorithm) header as unsupported, as S3-compatible stores
+// without flexible checksums answer: 400 InvalidArgument "Unsupported header
+// 'x-amz-checksum-crc32c' received for this API call", NotImplemented
+// "Header 'x-amz-checksum-crc32c' ... not implemented", 400 InvalidRequest
+// "... checksum ... not supported". Not a checksum that did not match
+// (BadDigest: the body was damaged, retried as it is) nor any other refusal.
+bool RefusesChecksum(const HttpResponse& r) {
+  if (r.curl_code != 0 || (r.status != 400 && r.status != 501)) return false;
+  bool unparsable = false;
+  std::optional<S3Error> err = ParseError(r.body, &unparsable);
+  if (!err) return false;
+  if (err->code == "NotImplemented") return true;
+  if (err->code != "InvalidArgument" && err->code != "InvalidRequest") return false;
+  return ContainsNoCase(err->message, "checksum") &&
+         (ContainsNoCase(err->message, "support") || ContainsNoCase(err->message, "implement"));
+}
+
+// Endpoints (base URL and bucket) found in this process to lack
+// x-amz-checksum-crc32c: storages opened on them later start with
+// Content-MD5 (bounded: past kMax, each storage finds out again).
+class CrcUnsupported {
+ public:
+  static bool Known(const std::string& where) {
+    std::lock_guard<std::mutex> l(mu());
+    return set().count(where) > 0;
+  }
+  // True the first time `where` is added (the one time it is logged).
+  static bool Add(const std::string& where) {
+    std::lock_guard<std::mutex> l(mu());
+    if (set().count(where)) return false;
+    if (set().size() < kMax) set().insert(where);
+    return true;
+  }
+
+ private:
+  static constexpr size_t kMax = 256;
+  static std::mutex& mu() {
+    static auto* m = new std::mutex;  // never destroyed: storages may outlive statics
+    return *m;
+  }
+  static std::set<std::string>& set() {
+    static auto* s = new std::set<std::string>;
+    return *s;
+  }
+};
+
 // ---- the storage ---------------------------------------------------------------
 
 struct Call {
@@ -226,6 +291,11 @@ struct Call {
   char* dest = nullptr;
   size_t dest_len = 0;
   const std::vector<std::pair<char*, size_t>>* scatter = nullptr;
+  // The checksum header the body carries (PutObject, UploadPart: what the
+  // storage or the upload chose); unset, for XML bodies: Content-MD5 unless
+  // S3Options::checksum is "off". A content-md5 among `headers` wins.
+  std::optional<BodyChecksum> checksum;
+  std::optional<uint32_t> crc32c;  // the body's CRC-32C, when the caller has it
   // When set, a 2xx answer counts only if its body is an XML document whose
   // root is `expect_root` (parsed into *doc); anything else is retried.
   const char* expect_root = nullptr;
@@ -242,6 +312,9 @@ struct Outcome {
   HttpResponse resp;
   Status status;     // S3Status of the last attempt (with the retry count on failure)
   int attempts = 0;  // requests sent (more than 1: an earlier one may have taken effect)
+  // The server refused x-amz-checksum-crc32c / -algorithm as unsupported:
+  // the request was sent again with Content-MD5 and without them.
+  bool checksum_refused = false;
 };
 
 struct ObjectInfo {
@@ -270,7 +343,32 @@ class S3Storage final : public Storage {
         base_path_(std::move(addr.base_path)),
         path_style_(addr.path_style),
         http_(s3::HttpOptions{opts_.ca_bundle}),
-        pool_(static_cast<size_t>(std::max(1, opts_.concurrency))) {}
+        pool_(static_cast<size_t>(std::max(1, opts_.concurrency))),
+        checksum_where_(base_url_ + " bucket " + bucket_) {
+    BodyChecksum sum = opts_.checksum == "off"   ? BodyChecksum::kOff
+                       : opts_.checksum == "md5" ? BodyChecksum::kMd5
+                                                 : BodyChecksum::kCrc32c;
+    if (sum == BodyChecksum::kCrc32c && CrcUnsupported::Known(checksum_where_)) {
+      sum = BodyChecksum::kMd5;
+    }
+    checksum_.store(sum);
+  }
+
+  // The checksum new PutObject bodies and new uploads' parts carry.
+  BodyChecksum checksum() const { return checksum_.load(std::memory_order_relaxed); }
+
+  // The server lacks x-amz-checksum-crc32c (`why`): Content-MD5 from now on,
+  // for this storage and the storages opened on it later in this process.
+  void FallBackToMd5(const std::string& why) {
+    BodyChecksum want = BodyChecksum::kCrc32c;
+    if (!checksum_.compare_exchange_strong(want, BodyChecksum::kMd5)) return;
+    if (CrcUnsupported::Add(checksum_where_)) {
+      std::fprintf(stderr,
+                   "cairn: S3 endpoint %s: %s; uploads there carry Content-MD5 instead from now "
+                   "on (CAIRN_S3_CHECKSUM=md5 chooses it from the start)\n",
+                   checksum_where_.c_str(), why.c_str());
+    }
+  }
 
   // ---- requests ----
 
@@ -301,15 +399,35 @@ class S3Storage final : public Storage {
     if (!c.key.empty() || !path_style_) uri += "/" + s3::UriEncode(c.key, false);
     std::string query = s3::CanonicalQuery(c.query);
     std::string url = base_url_ + uri + (query.empty() ? "" : "?" + query);
-    // Every body sent carries its MD5, which S3 checks (BadDigest, retried):
-    // a byte changed on the way is refused, not stored. Computed here, on
-    // the calling thread: parts are sent from many threads at once.
-    std::string content_md5;
-    if (opts_.content_md5 && c.body_len > 0 &&
-        std::none_of(c.headers.begin(), c.headers.end(),
-                     [](const auto& h) { return h.first == "content-md5"; })) {
-      content_md5 = s3::Md5Base64(c.body, c.body_len);
+    // Every body sent carries a checksum the server verifies (BadDigest,
+    // retried): a byte changed on the way is refused, not stored. Computed
+    // here, on the calling thread: parts are sent from many threads at once.
+    auto has = [&](std::string_view name) {
+      return std::any_of(c.headers.begin(), c.headers.end(),
+                         [&](const auto& h) { return h.first == name; });
+    };
+    BodyChecksum sum = BodyChecksum::kOff;
+    if (c.body_len > 0 && !has("content-md5")) {
+      sum = c.checksum
+                ? *c.checksum
+                : (checksum() == BodyChecksum::kOff ? BodyChecksum::kOff : BodyChecksum::kMd5);
     }
+    bool algorithm_header = has("x-amz-checksum-algorithm");
+    std::string sum_name, sum_value;
+    auto choose = [&](BodyChecksum k) {
+      sum = k;
+      sum_name.clear();
+      sum_value.clear();
+      if (k == BodyChecksum::kCrc32c) {
+        sum_name = "x-amz-checksum-crc32c";
+        sum_value =
+            internal::Crc32cBase64(c.crc32c ? *c.crc32c : internal::Crc32c(c.body, c.body_len));
+      } else if (k == BodyChecksum::kMd5) {
+        sum_name = "content-md5";
+        sum_value = s3::Md5Base64(c.body, c.body_len);
+      }
+    };
+    choose(sum);
 
     const Clock::time_point start = Clock::now();
     const auto retry_deadline = start + std::chrono::duration_cast<Clock::duration>(
@@ -340,8 +458,11 @@ class S3Storage final : public Storage {
       req.scatter = c.scatter;
       req.max_body = c.max_body;
       req.fresh_connection = c.fresh_connection;
-      Params hs = c.headers;
-      if (!content_md5.empty()) hs.emplace_back("content-md5", content_md5);
+      Params hs;
+      for (const auto& h : c.headers) {
+        if (algorithm_header || h.first != "x-amz-checksum-algorithm") hs.push_back(h);
+      }
+      if (!sum_value.empty()) hs.emplace_back(sum_name, sum_value);
       const std::string date = s3::AmzDateNow();
       hs.emplace_back("host", host_);
       hs.emplace_back("x-amz-date", date);
@@ -373,6 +494,25 @@ class S3Storage final : public Storage {
               UnavailableError(what + ": HTTP " + std::to_string(out.resp.status) + " without a " +
                                c.expect_root + " (a malformed or truncated response)");
         }
+      }
+      if ((sum == BodyChecksum::kCrc32c || algorithm_header) && RefusesChecksum(out.resp)) {
+        // A store without flexible checksums: the same request at once,
+        // with Content-MD5 instead (not a failure; it did not take effect).
+        FallBackToMd5("the server refused x-amz-checksum-crc32c as unsupported (" +
+                      out.status.message() + ")");
+        out.checksum_refused = true;
+        algorithm_header = false;
+        if (sum == BodyChecksum::kCrc32c) choose(BodyChecksum::kMd5);
+        continue;
+      }
+      if (out.status.ok() && sum == BodyChecksum::kCrc32c && c.method == "PUT" &&
+          out.resp.headers.count("x-amz-checksum-crc32c") == 0) {
+        // S3 echoes the checksum it verified; a store that does not may have
+        // ignored it (this body went unverified by the server; cairn's own
+        // checksums still cover it at load).
+        FallBackToMd5(
+            "its answer to a PUT with x-amz-checksum-crc32c did not echo it (a store "
+            "that ignores the header does not check it)");
       }
       if (out.status.code() != StatusCode::kUnavailable) return out;
       double cap =
@@ -520,7 +660,7 @@ class S3Storage final : public Storage {
       if (pages >= opts_.max_list_pages) {
         return IOError("listing " + FullUri(prefix) + ": more than " +
                        std::to_string(opts_.max_list_pages) +
-                       " pages (S3Options::max_list_pages; a server that never ends its listing?)");
+                       " pages (CAIRN_S3_MAX_LIST_PAGES; a server that never ends its listing?)");
       }
       token = t;
     }
@@ -544,6 +684,7 @@ class S3Storage final : public Storage {
     Call c("PUT", full);
     c.body = data;
     c.body_len = n;
+    c.checksum = checksum();
     if (if_absent) c.headers.emplace_back("if-none-match", "*");
     Outcome o = Execute(c, "writing " + FullUri(full));
     if (o.resp.status == 412 && if_absent) {
@@ -802,7 +943,8 @@ class S3Storage final : public Storage {
                        Quote(key_marker, 64) + "' (a misbehaving server or proxy)");
       }
       if (pages >= opts_.max_list_pages) {
-        return IOError(what + ": more than " + std::to_string(opts_.max_list_pages) + " pages");
+        return IOError(what + ": more than " + std::to_string(opts_.max_list_pages) +
+                       " pages (CAIRN_S3_MAX_LIST_PAGES; a server that never ends its listing?)");
       }
     }
   }
@@ -820,6 +962,8 @@ class S3Storage final : public Storage {
   const bool path_style_;
   s3::HttpClient http_;
   ThreadPool pool_;
+  const std::string checksum_where_;  // the endpoint and bucket, for CrcUnsupported
+  std::atomic<BodyChecksum> checksum_{BodyChecksum::kCrc32c};
 };
 
 // ---- files -----------------------------------------------------------------------
@@ -889,6 +1033,7 @@ class S3WritableFile final : public WritableFile {
     uint64_t covered = 0;
     bool sent = false;  // uploading or uploaded: no more writes
     std::string etag;
+    uint32_t crc32c = 0;  // of an upload created with CRC32C: its ChecksumCRC32C
     ~Part() { std::free(buf); }
   };
 
@@ -962,6 +1107,10 @@ class S3WritableFile final : public WritableFile {
     if (!upload_id_.empty()) return Status::OK();
     Call c("POST", full_);
     c.query = {{"uploads", ""}};
+    // The upload's checksum is fixed at its creation: with CRC32C, S3 wants
+    // it on every part and every part's in CompleteMultipartUpload.
+    const BodyChecksum sum = s_->checksum();
+    if (sum == BodyChecksum::kCrc32c) c.headers = {{"x-amz-checksum-algorithm", "CRC32C"}};
     c.deadline = deadline_;
     c.expect_root = "InitiateMultipartUploadResult";
     // Every create is one attempt of ours (curl would resend it unseen on a
@@ -974,6 +1123,8 @@ class S3WritableFile final : public WritableFile {
     upload_id_ = doc.child("InitiateMultipartUploadResult").child_value("UploadId");
     if (upload_id_.empty())
       return UnavailableError("starting the upload of " + uri_ + ": no UploadId");
+    // Refused as unsupported: created again without the algorithm.
+    upload_checksum_ = o.checksum_refused ? BodyChecksum::kMd5 : sum;
     if (o.attempts > 1) AbortOrphans();
     return Status::OK();
   }
@@ -999,6 +1150,10 @@ class S3WritableFile final : public WritableFile {
     std::lock_guard<std::mutex> l(upload_mu_);
     return upload_id_;
   }
+  BodyChecksum UploadChecksum() {
+    std::lock_guard<std::mutex> l(upload_mu_);
+    return upload_checksum_;
+  }
 
   Status SendPart(uint64_t idx, Part* part, uint64_t len) {
     CAIRN_RETURN_IF_ERROR(EnsureUpload());
@@ -1007,12 +1162,23 @@ class S3WritableFile final : public WritableFile {
     c.body = part->buf;
     c.body_len = len;
     c.deadline = deadline_;
+    c.checksum = UploadChecksum();
+    uint32_t crc = 0;
+    if (*c.checksum == BodyChecksum::kCrc32c) {
+      // Kept for CompleteMultipartUpload; a store that refused the header
+      // for an earlier part gets Content-MD5 for the rest.
+      crc = internal::Crc32c(part->buf, len);
+      c.crc32c = crc;
+      if (parts_refuse_crc_.load(std::memory_order_relaxed)) c.checksum = BodyChecksum::kMd5;
+    }
     Outcome o = s_->Execute(c, "uploading part " + std::to_string(idx + 1) + " of " + uri_);
+    if (o.checksum_refused) parts_refuse_crc_.store(true, std::memory_order_relaxed);
     CAIRN_RETURN_IF_ERROR(o.status);
     std::string etag = o.resp.headers["etag"];
     if (etag.empty()) return UnavailableError("uploading part of " + uri_ + ": no ETag");
     std::lock_guard<std::mutex> l(mu_);
     part->etag = std::move(etag);
+    part->crc32c = crc;
     if (spare_.size() < kSpareBuffers) {
       spare_.push_back(part->buf);
     } else {
@@ -1091,10 +1257,16 @@ class S3WritableFile final : public WritableFile {
         }
         CAIRN_RETURN_IF_ERROR(group.Wait());
       }
+      const bool crc = UploadChecksum() == BodyChecksum::kCrc32c;
       std::string body = "<CompleteMultipartUpload>";
       for (uint64_t i = 0; i < nparts; ++i) {
         body += "<Part><PartNumber>" + std::to_string(i + 1) + "</PartNumber><ETag>" +
-                XmlEscape(parts_[i].etag) + "</ETag></Part>";
+                XmlEscape(parts_[i].etag) + "</ETag>";
+        if (crc) {
+          body +=
+              "<ChecksumCRC32C>" + internal::Crc32cBase64(parts_[i].crc32c) + "</ChecksumCRC32C>";
+        }
+        body += "</Part>";
       }
       body += "</CompleteMultipartUpload>";
       Call c("POST", full_);
@@ -1143,6 +1315,8 @@ class S3WritableFile final : public WritableFile {
   Status error_;
   std::mutex upload_mu_;
   std::string upload_id_;
+  BodyChecksum upload_checksum_ = BodyChecksum::kOff;  // fixed when the upload is created
+  std::atomic<bool> parts_refuse_crc_{false};
 };
 
 class S3ReadableFile final : public ReadableFile {
@@ -1316,7 +1490,9 @@ S3Options S3OptionsFromEnvironment() {
   o.stall_timeout_s = EnvDouble("CAIRN_S3_STALL_TIMEOUT_S", o.stall_timeout_s);
   o.sign_payload = Env("CAIRN_S3_SIGN_PAYLOAD") == "1";
   o.operation_deadline_s = EnvDouble("CAIRN_S3_OPERATION_DEADLINE_S", o.operation_deadline_s);
-  o.content_md5 = Env("CAIRN_S3_CONTENT_MD5") != "0";
+  o.max_list_pages = static_cast<int>(
+      std::clamp(EnvDouble("CAIRN_S3_MAX_LIST_PAGES", o.max_list_pages), 0.0, 1e9));
+  if (std::string v = Env("CAIRN_S3_CHECKSUM"); !v.empty()) o.checksum = v;
   return o;
 }
 
@@ -1344,6 +1520,10 @@ Result<std::unique_ptr<Storage>> NewS3Storage(std::string_view uri, const S3Opti
   }
   if (opts.max_attempts < 1) return InvalidArgumentError("S3 max_attempts must be >= 1");
   if (opts.max_list_pages < 1) return InvalidArgumentError("S3 max_list_pages must be >= 1");
+  if (opts.checksum != "crc32c" && opts.checksum != "md5" && opts.checksum != "off") {
+    return InvalidArgumentError("S3 checksum '" + opts.checksum.substr(0, 40) +
+                                "' (CAIRN_S3_CHECKSUM) is not crc32c, md5 or off");
+  }
   if (!(opts.operation_deadline_s > 0)) {
     return InvalidArgumentError("S3 operation_deadline_s must be > 0");
   }
