@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """cairn's CheckpointManager against the checkpointing libraries a team would pick
-instead (bench/peers/: DLRover Flash Checkpoint, torchsnapshot, NVIDIA Resiliency
-Ext), same state, same disk, the machine's floors beside them.
+instead (bench/peers/: DLRover Flash Checkpoint, plain and under dlrover-run,
+torchsnapshot, NVIDIA Resiliency Ext's async queue and its LocalCheckpointManager),
+same state, same disk, the machine's floors beside them.
 
 Run from the repository root, in the peers' environment (scripts/bench_peers_setup.sh)::
 
@@ -24,7 +25,15 @@ torchrun for 2 ranks, every rank holding the same state as under DDP):
    restore phase (the restart): a fresh session restores from the peer's fastest
    tier, then from disk with the page cache dropped; both checked bit for bit.
 4. what is left after the restarted session closed; the harness then removes it
-   (kills the processes by pid, removes the entries it attributed to the run).
+   (kills the processes by pid, removes the entries it attributed to the run, and the
+   named semaphores of killed sessions that no process has open).
+
+A peer in SUPERVISED (``dlrover-run``: DLRover under its own launcher, the one way it
+restores from memory after a SIGKILL) runs as one job instead: DLRover's local master,
+then ``dlrover-run --max_restarts 1`` of the worker, which saves and SIGKILLs itself;
+the launcher restarts it and the restarted worker restores (``run_supervised``).
+NVRx's ``LocalCheckpointManager`` is two more adapters: ``nvrx-local`` (its directory in
+/dev/shm) and ``nvrx-local-disk`` (on the local disk).
 
 Floors, measured in this process on the same state size: the copy floor (the faster
 of a single-threaded memcpy and Tensor.copy_, cairn._measure) and the disk's
