@@ -10,6 +10,7 @@ process has open, as a restarted node's cleanup would."""
 from __future__ import annotations
 
 import os
+import time
 
 SHM = "/dev/shm"
 
@@ -39,13 +40,19 @@ def open_sems() -> set[str]:
     return out
 
 
-def remove_leaked_sems(before: set[str]) -> list[str]:
+def remove_leaked_sems(before: set[str], settle: float = 0.5) -> list[str]:
     """Removes the sem.mp-* names created since `before` that no live process has
-    open; returns them."""
+    open, in two looks `settle` s apart (a name is between its creation and its
+    users' mappings only for an instant; other programs on the machine, a test run
+    say, make names of their own); returns them."""
     new = sem_names() - before
     if not new:
         return []
-    leaked = sorted(new - open_sems())
+    unused = new - open_sems()
+    if unused:
+        time.sleep(settle)
+        unused -= open_sems()
+    leaked = sorted(n for n in unused if os.path.exists(os.path.join(SHM, n)))
     for n in leaked:
         try:
             os.unlink(os.path.join(SHM, n))

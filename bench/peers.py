@@ -63,6 +63,7 @@ sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO))
 
 from bench import _shm  # noqa: E402
+from bench._procs import stop_group  # noqa: E402
 
 DEFAULT_PEERS = ["cairn", "dlrover-run", "torchsnapshot", "nvrx", "nvrx-local"]
 
@@ -177,24 +178,6 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout: float, log: Path) -> 
     raise RuntimeError(f"DLRover's master did not listen on {port} within {timeout:.0f} s")
 
 
-def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM to the process group `proc` leads (started with start_new_session),
-    then SIGKILL to whatever of it is left after `grace` seconds."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 def run_supervised(peer: str, ranks: int, size_mb: float, reps: int, root: Path, out: Path,
                    marker: str, timeout: float, tmpdir: Path) -> dict:
     """One job of `peer` under its launcher (SUPERVISED): DLRover's master, then
@@ -239,15 +222,15 @@ def run_supervised(peer: str, ranks: int, size_mb: float, reps: int, root: Path,
             time.sleep(0.5)
             left_job = {"processes": len([p for p in marked_pids(marker) if p != master.pid]),
                         **new_entries(before, [], tmpdir)}
-            _stop_group(master)
-            _stop_group(job)
+            stop_group(master, term_first=True)
+            stop_group(job, term_first=True)
             time.sleep(0.5)
             left_master = {"processes": len(marked_pids(marker)),
                            **new_entries(before, [], tmpdir)}
         finally:
             for proc in (job, master):
                 if proc is not None and proc.poll() is None:
-                    _stop_group(proc, grace=2)
+                    stop_group(proc, grace=2, term_first=True)
     results = {}
     for phase, suffix in (("save", ""), ("restore", ".restore")):
         results[phase] = []

@@ -48,6 +48,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench._procs import stop_group  # noqa: E402
+
 WORKER = REPO / "bench" / "peers" / "recovery_worker.py"
 RESULTS = REPO / "bench" / "results"
 COMPONENTS = ["process start", "import", "process group", "model + DDP + optimizer",
@@ -86,19 +89,6 @@ def wait_for(pred, timeout: float, what: str, procs=()):
                 raise RuntimeError(f"{what}: a process exited with {p.returncode}")
         time.sleep(0.02)
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def stop_group(p: subprocess.Popen, grace: float = 10.0) -> None:
-    """Waits up to `grace` s for p to exit, then SIGKILLs its whole process group."""
-    try:
-        p.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    p.wait()
 
 
 def marked_pids(marker: str) -> list[int]:

@@ -18,7 +18,8 @@ Protocol of one save (every rank; the coordinator is rank 0 of the checkpoint gr
      tensors only) on every rank (one all-reduce agrees on it), a save skips
      ``dcp.save`` and stages with the kept plan, so its stall is the copy; a changed
      structure on any rank plans anew on all. restore() plans the first save ahead
-     (``_plan_ahead``), so it too is staged like a steady one. Each rank uncommits
+     (``_plan_ahead``, on the background thread, overlapping the trainer's next
+     steps), so it too is staged like a steady one. Each rank uncommits
      the memory-tier checkpoint held by the slot it is about to reuse (the last one
      used, unless it holds the newest step and no slower tier has it: then the
      other, ``_save_slot``) and stages its items into that slot (a file in shared
@@ -431,6 +432,10 @@ class _Background:
                 # an unclosed manager is still freed (a daemon thread's frame never is).
                 del fn, args, done
 
+    def is_current(self) -> bool:
+        """Whether the caller is this thread."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def close(self) -> None:
         """Stops the thread once the jobs queued so far have run (does not wait)."""
         if self._thread is not None and self._thread.is_alive():
@@ -573,6 +578,8 @@ class CheckpointManager:
         # The plan of the last save through dcp.save, reused while the state's
         # structure is unchanged (_PlanCache).
         self._plan_cache: _PlanCache | None = None
+        # restore()'s planning of the next save, on the background thread (_plan_ahead).
+        self._plan_job: threading.Event | None = None
         # Creates and pre-faults the next save's slot in the background (prepare()).
         self._prefault_thread: threading.Thread | None = None
         # Persists saves in the background (one thread for the manager's life).
@@ -662,10 +669,20 @@ class CheckpointManager:
         self._stager_obj.device_path_for_tests = self._device_path_for_tests
         return self._stager_obj
 
+    def _collective(self) -> None:
+        """Before a collective on the checkpoint group from any thread but the
+        background one: restore()'s planning there, which runs collectives on that
+        group too, must be done (the same order on every rank)."""
+        if self._plan_job is not None and not self._background.is_current():
+            if not self._join_plan_job():
+                raise TimeoutError(
+                    f"the next save still being planned after {self.timeout:.0f}s")
+
     def _agree(self, value: Any) -> Any:
         """The coordinator's `value`, on every rank."""
         if not self._dist:
             return value
+        self._collective()
         box = [value]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
         return box[0]
@@ -673,6 +690,7 @@ class CheckpointManager:
     def _gather(self, value: Any) -> list[Any]:
         if not self._dist:
             return [value]
+        self._collective()
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, value, group=self.pg)
         return out
@@ -889,16 +907,21 @@ class CheckpointManager:
         writer.plans, writer.metadata = cache.plans, cache.metadata
         return writer, err
 
+    @staticmethod
+    def _flags(flags: tuple[bool, ...]) -> torch.Tensor:
+        return torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+
     def _sum(self, *flags: bool) -> tuple[int, ...]:
         """For each of `flags`, on how many ranks of the checkpoint group it holds
         (one all-reduce, matching a _sum_async of as many flags on the other ranks)."""
-        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pg)
+        work, t = self._sum_async(*flags)
+        work.wait()
         return tuple(int(x) for x in t.tolist())
 
     def _sum_async(self, *flags: bool) -> tuple[Any, torch.Tensor]:
         """_sum without waiting: (the collective's Work, the tensor it sums into)."""
-        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        self._collective()
+        t = self._flags(flags)
         return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pg, async_op=True), t
 
     def _check_agreement(self, rec: _Save) -> None:
@@ -921,7 +944,8 @@ class CheckpointManager:
     def _all(self, *flags: bool) -> Any:
         """Whether each of `flags` holds on every rank of the checkpoint group (one
         all-reduce): a bool for one flag, a tuple for several."""
-        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        self._collective()
+        t = self._flags(flags)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
         out = tuple(bool(x) for x in t.tolist())
         return out[0] if len(out) == 1 else out
@@ -1060,7 +1084,11 @@ class CheckpointManager:
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until the save in flight is persisted; raises its error, if any, or
         cairn.TimeoutError after `timeout` seconds (default: the manager's). Also
-        waits for the shared memory that prepare() is pre-faulting."""
+        waits for the shared memory that prepare() is pre-faulting, and for restore()'s
+        planning of the next save."""
+        if not self._join_plan_job(timeout):
+            raise TimeoutError("the next save still being planned after "
+                               f"{self.timeout if timeout is None else timeout:.0f}s")
         if self._prefault_thread is not None:
             self._prefault_thread.join(self.timeout if timeout is None else timeout)
             if self._prefault_thread.is_alive():
@@ -1258,7 +1286,7 @@ class CheckpointManager:
         bound = min(self.timeout, 60.0)
         rec = self._inflight
         busy = rec is not None and rec.done is not None and not rec.done.wait(bound)
-        busy = busy or not self._join_prefault_job(bound)
+        busy = busy or not self._join_prefault_job(bound) or not self._join_plan_job(bound)
         if self._prefault_thread is not None:
             self._prefault_thread.join(bound)
             busy = busy or self._prefault_thread.is_alive()
@@ -1298,6 +1326,9 @@ class CheckpointManager:
 
     def candidates(self) -> list[tuple[int, str, str]]:
         """This rank's committed checkpoints, as (step, tier, uri), fastest tier first."""
+        self._check_open()
+        if not self._join_plan_job():  # its collectives come first, on every rank
+            raise TimeoutError(f"the next save still being planned after {self.timeout:.0f}s")
         return [c[:3] for c in self._candidates()]
 
     def _candidates(self) -> list[tuple[int, str, str, str]]:
@@ -1342,7 +1373,7 @@ class CheckpointManager:
         held = self._gather(sorted({(s, t) for s, t, _, _ in mine}))  # every rank's
         plan = _ext.RestorePlanner(mine, held)
         if not plan.steps:
-            self._plan_ahead(state)
+            self._plan_ahead(state, background=True)
             self.prepare(state)
             return None
         for step in plan.steps:
@@ -1412,7 +1443,7 @@ class CheckpointManager:
                         _memory_budget.mark_restored(self._lease)
                     self._keep_restored_slot(choice[2] if choice[0] == "memory" else None,
                                              step, held)
-                    self._plan_ahead(state)
+                    self._plan_ahead(state, background=True)
                     self.prepare(state, nbytes=self._restored_bytes(reader))
                     return step
                 why = unwrap(err) if err is not None else "failed on another rank"
@@ -1492,7 +1523,7 @@ class CheckpointManager:
         This opens the staging pool, so a DataLoader forked after it inherits the slot
         files (its workers exit with the trainer, see docs/memory.md)."""
         self._check_open()
-        if self.world == 1 and self._plan_cache is None:
+        if self.world == 1 and self._plan_cache is None and self._plan_job is None:
             self._plan_ahead(state)  # restore() does it on every rank (a collective)
         if not self.memory or self._prefault_thread is not None:
             return
@@ -1558,20 +1589,37 @@ class CheckpointManager:
             self._prefault_job = None
         return True
 
-    def _plan_ahead(self, state: dict[str, Any]) -> None:
-        """Plans a save of `state` now (DCP's planning, nothing staged), so the first
+    def _plan_ahead(self, state: dict[str, Any], background: bool = False) -> None:
+        """Plans a save of `state` (DCP's planning, nothing staged), so the first
         save() stages with that plan like a steady one (_PlanCache). Collective: every
         rank calls it (restore() does). A failure only means the first save plans.
         Nothing to do when the last save's plan still fits `state` (a restore by the
-        process that saved: a rollback)."""
+        process that saved: a rollback).
+
+        `background` (restore()): the state's Statefuls are asked for their
+        state_dict() here, on the caller's thread (some gather from every rank on the
+        training's process group), and DCP's planning, whose collectives run on the
+        checkpoint group, runs on the background thread, overlapping what the trainer
+        does next (it was ~40% of a 100 MB restore); every call that could start a
+        collective of its own first waits for it (wait(): save(), restore(),
+        candidates(), close()). A state changed before the first save (e.g. an
+        optimizer's state created by its first step) then misses the plan, as it
+        would have anyway: that save plans."""
+        sd = _state_dict_of(state)
         cache = self._plan_cache
         if cache is not None:
-            hit = cache.matches(*flatten_state_dict(_state_dict_of(state)))
+            hit = cache.matches(*flatten_state_dict(sd))
             if self._all(hit) if self._dist else hit:
                 return
-        writer = _PlanningWriter(self, self._next_slot)
+        self._plan_cache = None
+        if background:
+            self._plan_job = self._background.submit(self._plan, sd, self._next_slot)
+        else:
+            self._plan(sd, self._next_slot)
+
+    def _plan(self, sd: dict[str, Any], slot: int) -> None:
+        writer = _PlanningWriter(self, slot)
         try:
-            sd = _state_dict_of(state)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.save(sd, storage_writer=writer, process_group=self.pg)
@@ -1580,6 +1628,15 @@ class CheckpointManager:
             log.info("cairn: planning the first save ahead: %s", e)
             self._plan_cache = None
         writer.planner = None
+
+    def _join_plan_job(self, timeout: float | None = None) -> bool:
+        """Waits for restore()'s planning of the next save; whether it is done."""
+        job = self._plan_job
+        if job is not None:
+            if not job.wait(self.timeout if timeout is None else timeout):
+                return False
+            self._plan_job = None
+        return True
 
     def _load(self, state: dict[str, Any], reader: Reader) -> None:
         keys = reader.stored_keys()

@@ -74,8 +74,6 @@ import logging
 import os
 from typing import Any
 
-import torch.distributed as dist
-
 from cairn.errors import Error, InvalidArgumentError
 from cairn.manager import CheckpointManager
 
@@ -130,10 +128,7 @@ class RayCheckpointManager(CheckpointManager):
         adopt, removed = None, []
         if self.is_coordinator:
             adopt, removed = _settle_untracked(self, restored)
-        if self.pg is not None:
-            box = [(adopt, removed)]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
-            adopt, removed = box[0]
+        adopt, removed = self._agree((adopt, removed))
         self.removed_orphans = list(removed)
         if adopt is not None:
             train = _ray_train()
@@ -219,10 +214,7 @@ def checkpoint_manager(**kwargs: Any) -> RayCheckpointManager:
                     f"worker: {e}") from e
     mgr = RayCheckpointManager(storage_root(storage), storage, **kwargs)
     tracked = _tracked_names(mgr) if mgr.is_coordinator else None
-    if mgr.pg is not None:
-        box = [tracked]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(mgr.pg, 0), group=mgr.pg)
-        tracked = box[0]
+    tracked = mgr._agree(tracked)
     mgr.ray_tracked = frozenset(tracked)
     return mgr
 

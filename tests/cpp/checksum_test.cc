@@ -17,15 +17,12 @@
 #define XXH_NAMESPACE cairn_ref_
 #include <xxhash.h>
 
+#include "random_bytes.h"
+
 namespace cairn {
 namespace {
 
-std::vector<unsigned char> RandomBytes(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<unsigned char> v(n);
-  for (auto& b : v) b = static_cast<unsigned char>(rng());
-  return v;
-}
+using test_util::RandomBytes;
 
 TEST(ChecksumTest, EmptyInputHasXxh3sKnownDigest) {
   EXPECT_EQ(Checksum(nullptr, 0), 0x2D06800538D394C2ull);

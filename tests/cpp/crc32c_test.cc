@@ -16,17 +16,13 @@
 #include <string>
 #include <vector>
 
+#include "random_bytes.h"
 #include "storage/s3/sigv4.h"
 
 namespace cairn::internal {
 namespace {
 
-std::vector<unsigned char> RandomBytes(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<unsigned char> v(n);
-  for (auto& b : v) b = static_cast<unsigned char>(rng());
-  return v;
-}
+using test_util::RandomBytes;
 
 // Every implementation this machine has.
 std::vector<uint32_t (*)(const void*, size_t, uint32_t)> Kernels() {

@@ -12,6 +12,7 @@
 #include <random>
 
 #include "cairn/checkpoint.h"
+#include "random_bytes.h"
 
 namespace cairn {
 namespace {
@@ -35,10 +36,7 @@ class TempPosix {
 };
 
 std::vector<char> RandomBytes(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<char> v(n);
-  for (char& c : v) c = static_cast<char>(rng());
-  return v;
+  return test_util::RandomBytes<char>(n, seed);
 }
 
 std::string ReadAll(Storage* s, const std::string& key) {

@@ -17,18 +17,14 @@
 #include "cairn/format.h"
 #include "cairn/staging.h"
 #include "cairn/storage.h"
+#include "random_bytes.h"
 
 namespace cairn {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::vector<char> Pattern(size_t n, uint32_t seed) {
-  std::vector<char> v(n);
-  std::mt19937 rng(seed);
-  for (auto& c : v) c = static_cast<char>(rng());
-  return v;
-}
+std::vector<char> Pattern(size_t n, uint32_t seed) { return test_util::RandomBytes<char>(n, seed); }
 
 class StagingPoolTest : public ::testing::Test {
  protected:

@@ -245,6 +245,7 @@ def test_close_leaves_nothing_in_shared_memory():
     stager.close()  # idempotent
 
 
+@pytest.mark.serial  # another test's stager would remove the leftover first
 def test_leftovers_of_a_killed_process_are_removed_by_the_next_stager():
     code = ("import os, signal, torch, cairn\n"
             "s = cairn.SharedMemoryStager()\n"

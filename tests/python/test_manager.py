@@ -191,10 +191,15 @@ def test_retention_keeps_newest_and_removes_partial_leftovers(tmp_path):
 
 
 def test_close_leaves_no_shared_memory(tmp_path):
+    """Nothing of this run's is left in /dev/shm: its memory tier (named after the
+    root), nor anything else naming it (other tests may run beside this one)."""
     root = str(tmp_path)
+    tier = cairn.manager.memory_tier_name(root)
     before = set(os.listdir("/dev/shm"))
     run_ranks(2, _retention, root)
-    assert set(os.listdir("/dev/shm")) - before == set()
+    new = set(os.listdir("/dev/shm")) - before
+    assert not os.path.exists(os.path.join("/dev/shm", tier))
+    assert {n for n in new if tier[len("cairn-"):] in n} == set()
 
 
 # ---- single process, argument checks --------------------------------------------------

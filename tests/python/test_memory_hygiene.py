@@ -137,6 +137,7 @@ def test_next_manager_reclaims_a_crashed_tier_after_the_grace_period(tmp_path):
     assert proc.stdout.split() == ["KEPT", "RECLAIMED"], proc.stdout + proc.stderr
 
 
+@pytest.mark.serial  # `cairn gc` reclaims every crashed run's tier on the node
 def test_cairn_gc_keeps_young_orphans_and_removes_ones_whose_root_is_gone(tmp_path,
                                                                           cleanup_tiers):
     tier = crash_run(tmp_path / "run")
@@ -152,6 +153,7 @@ def test_cairn_gc_keeps_young_orphans_and_removes_ones_whose_root_is_gone(tmp_pa
     assert not os.path.exists(tier)
 
 
+@pytest.mark.serial  # `cairn gc` reclaims every crashed run's tier on the node
 def test_a_live_managers_tier_is_in_use_and_never_reclaimed(tmp_path):
     with cairn.CheckpointManager(tmp_path / "run") as mgr:
         mgr.save(1, {"w": torch.ones(1000)})

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import time
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -194,16 +196,66 @@ def _first_save_planned_by_restore(rank, world, root):
     with _counted_manager(root) as (mgr, calls):
         state = _state(rank, 1.0)
         assert mgr.restore(state) is None
-        planned_by_restore = len(calls)
-        mgr.save(1, state)
+        mgr.save(1, state)  # waits for restore()'s planning, on the background thread
         mgr.wait()
-        planned_by_save = len(calls) - planned_by_restore
+        planned = len(calls)
     step, got = _restore_into(root, state, memory=False)
-    return planned_by_restore, planned_by_save, step, _equal(got, state)
+    return planned, step, _equal(got, state)
 
 
 def test_restore_plans_the_first_save_ahead(tmp_path):
     """restore() (here with nothing to restore) plans the first save on every rank,
-    so the first save() stages like a steady one; what it saved restores exactly."""
+    so the first save() stages like a steady one (one dcp.save in all: restore()'s
+    planning); what it saved restores exactly."""
     results = run_ranks(2, _first_save_planned_by_restore, str(tmp_path))
-    assert results == [(1, 0, 1, True), (1, 0, 1, True)]
+    assert results == [(1, 1, True), (1, 1, True)]
+
+
+def _restore_returns_before_planning(rank, world, root):
+    state = _state(rank, 1.0)
+    with cairn.CheckpointManager(root, keep=5) as mgr:
+        mgr.save(1, state)
+    gate = threading.Event()
+    calls = []
+    real = dcp.save
+
+    def gated(*a, **k):  # DCP's planning of the next save, held until the gate opens
+        calls.append(threading.current_thread().name)
+        assert gate.wait(60)
+        return real(*a, **k)
+
+    manager_mod.dcp.save = gated
+    try:
+        with cairn.CheckpointManager(root, keep=5) as mgr:
+            dest = _state(rank, 0.0)
+            step = mgr.restore(dest)  # returns while the planning is held
+            returned_first = not mgr._plan_job.is_set()
+            restored = _equal(dest, state)
+            # candidates() may gather from every rank: it waits for the planning's
+            # collectives, which must come first on every rank.
+            threading.Timer(0.5, gate.set).start()
+            t0 = time.monotonic()
+            cands = {c[0] for c in mgr.candidates()}
+            waited = time.monotonic() - t0 >= 0.3
+            dest["model"][f"r{rank}.w"].add_(1.0)  # training goes on
+            mgr.save(2, dest)  # stages with the plan made in the background
+            mgr.wait()
+            hit = mgr._plan_cache is not None and len(calls) == 1
+    finally:
+        manager_mod.dcp.save = real
+        gate.set()
+    step2, got = _restore_into(root, dest, memory=False)
+    return step, returned_first, restored, (cands, waited), calls, hit, step2, _equal(got, dest)
+
+
+def test_restore_returns_before_the_next_save_is_planned(tmp_path):
+    """restore() loads on the caller's thread and leaves DCP's planning of the next
+    save to the background thread (a restarted job trains sooner): it returns while
+    that planning is held; candidates() and the next save() wait for it (their
+    collectives must not overtake its, on any rank); that save stages with its plan
+    and restores exactly."""
+    results = run_ranks(2, _restore_returns_before_planning, str(tmp_path))
+    for step, first, restored, cands, calls, hit, step2, exact in results:
+        assert (step, first, restored, hit, step2, exact) == (1, True, True, True, 2, True)
+        assert calls == ["cairn-persist"]
+        assert cands == ({1}, True)

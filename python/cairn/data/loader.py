@@ -38,7 +38,7 @@
   :class:`CachedFileDataset` the state is ``(epoch, consumed)``, the same on
   every rank. For a :class:`ShardDataset` it holds every slot's position;
   ``state_dict()`` gathers them from all ranks (a collective: call it on
-  every rank, as checkpointing does).
+  every rank, as checkpointing does: one all-reduce of a small int64 tensor).
 """
 
 from __future__ import annotations
@@ -326,14 +326,30 @@ class DataLoader(torch.utils.data.DataLoader):
             import torch.distributed as dist
 
             if dist.is_available() and dist.is_initialized():
-                everyone: list = [None] * ws
-                dist.all_gather_object(everyone, (mine, self._next_worker))
-                for r, (d, nxt) in enumerate(everyone):
-                    mine.update(d)
-                    shift[r] = nxt
+                mine, shift = self._combine_positions(dist, mine, rank, ws, len(progress))
         for s, p in mine.items():
             progress[int(s)] = list(p)
         return progress, shift
+
+    def _combine_positions(self, dist, mine: dict, rank: int, ws: int,
+                           slots: int) -> tuple[dict, list]:
+        """Every rank's slot positions and next worker, from one all-reduce (MAX) of
+        a fixed-size int64 tensor: a rank fills what only it knows (the slots it has
+        seen, its next worker), -1 elsewhere. It runs inside every save's stall, where
+        ``all_gather_object`` (pickling, two collectives) cost ~10 ms on 2 ranks."""
+        buf = torch.full((slots * 2 + ws,), -1, dtype=torch.int64)
+        for s, (done, offset) in mine.items():
+            buf[2 * int(s)] = int(done)
+            buf[2 * int(s) + 1] = int(offset)
+        buf[2 * slots + rank] = int(self._next_worker)
+        from torch.distributed.distributed_c10d import _get_object_coll_device
+
+        dev = torch.device(_get_object_coll_device())
+        out = buf.to(dev)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        vals = out.cpu().tolist()
+        combined = {s: [vals[2 * s], vals[2 * s + 1]] for s in range(slots) if vals[2 * s] >= 0}
+        return combined, vals[2 * slots:]
 
     def load_state_dict(self, state: dict) -> None:
         """Restores a position saved by :meth:`state_dict` (possibly with another
