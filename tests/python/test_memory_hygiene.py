@@ -154,8 +154,10 @@ def test_cairn_gc_keeps_young_orphans_and_removes_ones_whose_root_is_gone(tmp_pa
 
 
 @pytest.mark.serial  # `cairn gc` reclaims every crashed run's tier on the node
-def test_a_live_managers_tier_is_in_use_and_never_reclaimed(tmp_path):
+def test_a_live_managers_tier_is_in_use_and_never_reclaimed(tmp_path, cleanup_tiers):
     with cairn.CheckpointManager(tmp_path / "run") as mgr:
+        # close() keeps the tier: it holds step 1, which the durable tier lost below.
+        cleanup_tiers.append(mgr.shm_dir)
         mgr.save(1, {"w": torch.ones(1000)})
         mgr.wait()
         shutil.rmtree(tmp_path / "run")  # even with its run root gone
@@ -163,7 +165,7 @@ def test_a_live_managers_tier_is_in_use_and_never_reclaimed(tmp_path):
         t = tier_info(mgr.shm_dir)
         assert t is not None and t["in_use"] and t["step"] == 1
         assert [o["state"] for o in t["owners"]] == ["alive"]
-        os.makedirs(tmp_path / "run")  # close() flushes to the durable tier
+        os.makedirs(tmp_path / "run")  # close() keeps the tier, warning that it holds step 1
 
 
 # ---- memory_limit --------------------------------------------------------------------
