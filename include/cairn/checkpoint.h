@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -109,11 +110,17 @@ struct ItemRef {
 // when offset is 0 and size is its length). Every block the range touches is
 // read and verified whole; blocks inside the range go straight into `dest`,
 // blocks at its edges through a scratch buffer.
+//
+// `shared`: other processes of this node read the same bytes at about the
+// same time (a replicated state loaded by every rank). Such a request is
+// read through the page cache even when the reader reads direct, so the
+// device delivers the bytes once for all of them rather than once each.
 struct ReadRequest {
   ItemRef item;
   void* dest = nullptr;
   uint64_t size = 0;
   uint64_t offset = 0;  // byte offset within the item
+  bool shared = false;
 };
 
 // Reads items of one committed checkpoint into caller memory, verifying every
@@ -126,7 +133,8 @@ class CheckpointReader {
  public:
   // Reads and validates the manifest of `dir` (see ReadManifest). Data files
   // are opened with `opts` (direct I/O by default: checkpoint data is read
-  // once, so the page cache would only cost a copy).
+  // once, so the page cache would only cost a copy), and opened a second
+  // time buffered for ReadRequest::shared requests.
   static Result<std::unique_ptr<CheckpointReader>> Open(Storage* storage, std::string dir,
                                                         const ReadOptions& opts = {true});
 
@@ -163,14 +171,19 @@ class CheckpointReader {
  private:
   CheckpointReader(Storage* storage, std::string dir, Manifest m, ReadOptions opts)
       : storage_(storage), dir_(std::move(dir)), manifest_(std::move(m)), opts_(opts) {}
-  Result<const ReadableFile*> File(uint32_t index, const std::string& needed_by);
+  // Data file `index`, opened on first use; `shared`: the one to read shared
+  // requests through (buffered, unless UseFile gave a mapping).
+  Result<const ReadableFile*> File(uint32_t index, const std::string& needed_by,
+                                   bool shared = false);
 
   Storage* storage_;
   std::string dir_;
   Manifest manifest_;
   ReadOptions opts_;
   std::mutex mu_;
-  std::map<uint32_t, std::unique_ptr<ReadableFile>> files_;  // guarded by mu_
+  std::map<uint32_t, std::unique_ptr<ReadableFile>> files_;     // guarded by mu_
+  std::map<uint32_t, std::unique_ptr<ReadableFile>> buffered_;  // guarded by mu_
+  std::set<uint32_t> given_;  // indices UseFile gave; guarded by mu_
 };
 
 // ---- Verification --------------------------------------------------------

@@ -603,6 +603,7 @@ class CheckpointManager:
         # The lowest rank of each node writes that node's memory-tier manifests
         # (every node's shared memory holds its own ranks' slot files).
         hosts = self._gather(_replication.node_id())
+        self._hosts = hosts
         self._node_leader = self.rank == hosts.index(hosts[self.rank])
         self._single_node = len(set(hosts)) == 1
         _chaos.arm()
@@ -1419,7 +1420,7 @@ class CheckpointManager:
                         break
                     continue
                 try:
-                    self._load(state, reader)
+                    self._load(state, reader, on_disk=choice[0] in ("local", "durable"))
                     ok, err = True, None
                 except BaseException as e:  # noqa: BLE001
                     ok, err = False, e
@@ -1638,7 +1639,7 @@ class CheckpointManager:
             self._plan_job = None
         return True
 
-    def _load(self, state: dict[str, Any], reader: Reader) -> None:
+    def _load(self, state: dict[str, Any], reader: Reader, on_disk: bool = False) -> None:
         keys = reader.stored_keys()
         to_load = {}
         for k, v in state.items():
@@ -1654,7 +1655,20 @@ class CheckpointManager:
             plan = reader.plan_in_place(to_load)
         except Exception:  # noqa: BLE001 - dcp.load below reports it, collectively
             plan = None
-        if all(self._gather(plan is not None)):
+        # A local disk's chunks that other ranks of this node read too (a replicated
+        # state: every rank loads the same bytes) are read through the page cache, so
+        # the disk delivers them once for the node; direct reads, a copy per rank.
+        items = None
+        if (plan is not None and on_disk and self._hosts.count(self._hosts[self.rank]) > 1
+                and reader._storage is not None and reader._storage.local_path()):
+            items = plan.engine.tensor_items()
+        verdicts = self._gather((plan is not None, items))
+        if all(ok for ok, _ in verdicts):
+            if items:
+                host = self._hosts[self.rank]
+                others = {k for r, (_, ks) in enumerate(verdicts)
+                          if r != self.rank and ks and self._hosts[r] == host for k in ks}
+                plan.engine.share([k for k in items if k in others])
             reader.load_in_place(plan)
         else:
             # Not loadable in place: a resharded or non-plain tensor, or a state that

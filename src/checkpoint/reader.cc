@@ -182,9 +182,22 @@ std::string CheckpointReader::ItemName(const ItemRef& item) const {
   return internal::ChunkName(manifest_.tensors[item.index], item.chunk);
 }
 
-Result<const ReadableFile*> CheckpointReader::File(uint32_t index, const std::string& needed_by) {
+Result<const ReadableFile*> CheckpointReader::File(uint32_t index, const std::string& needed_by,
+                                                   bool shared) {
   std::lock_guard<std::mutex> l(mu_);
   auto it = files_.find(index);
+  if (shared && opts_.direct_io && given_.count(index) == 0) {
+    // Read through the page cache (a file UseFile gave is read as it is).
+    auto b = buffered_.find(index);
+    if (b != buffered_.end()) return b->second.get();
+    ReadOptions buffered = opts_;
+    buffered.direct_io = false;
+    CAIRN_ASSIGN_OR_RETURN(
+        auto f, OpenDataFile(storage_, dir_, manifest_.files[index], needed_by, buffered));
+    const ReadableFile* raw = f.get();
+    buffered_.emplace(index, std::move(f));
+    return raw;
+  }
   if (it != files_.end()) return it->second.get();
   CAIRN_ASSIGN_OR_RETURN(auto f,
                          OpenDataFile(storage_, dir_, manifest_.files[index], needed_by, opts_));
@@ -223,6 +236,7 @@ Status CheckpointReader::UseFile(std::string_view key, std::unique_ptr<ReadableF
     }
     std::lock_guard<std::mutex> l(mu_);
     files_[i] = std::move(file);
+    given_.insert(i);
     return Status::OK();
   }
   return InvalidArgumentError(Where(storage_, dir_) + " has no data file '" + std::string(key) +
@@ -232,6 +246,8 @@ Status CheckpointReader::UseFile(std::string_view key, std::unique_ptr<ReadableF
 void CheckpointReader::CloseFiles() {
   std::lock_guard<std::mutex> l(mu_);
   files_.clear();
+  buffered_.clear();
+  given_.clear();
 }
 
 Status CheckpointReader::Read(const std::vector<ReadRequest>& requests, ThreadPool* pool) {
@@ -254,7 +270,7 @@ Status CheckpointReader::Read(const std::vector<ReadRequest>& requests, ThreadPo
     }
     locs[i] = *loc;
     if (r.size == 0) continue;
-    auto f = File((*loc)->file, ItemName(r.item));
+    auto f = File((*loc)->file, ItemName(r.item), r.shared);
     if (!f.ok()) return f.status().WithContext(where);
     files[i] = *f;
   }

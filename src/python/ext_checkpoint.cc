@@ -14,6 +14,7 @@
 
 #include <filesystem>
 #include <system_error>
+#include <unordered_set>
 
 #include "cairn/checkpoint.h"
 #include "cairn/read_plan.h"
@@ -374,7 +375,37 @@ void RegisterCheckpoint(nb::module_& m) {
                           "CheckpointReader.plan_in_place's reads (tensors straight into "
                           "their memory).")
       .def_prop_ro("num_requests", [](const InPlacePlan& p) { return p.requests.size(); })
-      .def_prop_ro("num_values", [](const InPlacePlan& p) { return p.values.size(); });
+      .def_prop_ro("num_values", [](const InPlacePlan& p) { return p.values.size(); })
+      .def(
+          "tensor_items",
+          [](const InPlacePlan& p) {
+            std::vector<uint64_t> keys;
+            for (const ReadRequest& r : p.requests) {
+              if (r.item.kind == ItemRef::Kind::kTensorChunk && r.size > 0) {
+                keys.push_back(uint64_t{r.item.index} << 32 | r.item.chunk);
+              }
+            }
+            return keys;
+          },
+          "The stored tensor chunks the plan reads, each as index << 32 | chunk.")
+      .def(
+          "share",
+          [](InPlacePlan& p, const std::vector<uint64_t>& keys) {
+            std::unordered_set<uint64_t> set(keys.begin(), keys.end());
+            size_t n = 0;
+            for (ReadRequest& r : p.requests) {
+              if (r.item.kind == ItemRef::Kind::kTensorChunk &&
+                  set.count(uint64_t{r.item.index} << 32 | r.item.chunk) != 0) {
+                r.shared = true;
+                ++n;
+              }
+            }
+            return n;
+          },
+          nb::arg("keys"),
+          "Marks the reads of these tensor_items() shared (other processes of this node read\n"
+          "them too: through the page cache, which fetches them from the device once); returns\n"
+          "how many reads it marked.");
 
   nb::class_<PyCheckpointReader>(m, "CheckpointReader")
       .def(nb::init<const PyStorage&, const std::string&>(), nb::arg("storage"),
