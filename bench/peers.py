@@ -416,19 +416,53 @@ def chart(result: dict, path: Path) -> None:
             ax.set_xlabel("s (restores: own time axis, from 0)", fontsize=7)
             ax.set_title(f"cairn timeline, {ranks} rank(s)", fontsize=9)
             ax.legend(fontsize=6)
+    runs = f"{result['runs']} runs of " if result.get("runs") else ""
     fig.suptitle(f"{result['bytes'] / 1e6:.0f} MB state, {result['ntensors']} tensors; "
-                 "* = patched to run on CPU; medians of "
+                 f"* = patched to run on CPU; medians of {runs}"
                  f"{result['reps']} saves", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
 
+FIGURES = ("stall_s", "durable_s", "restore_fast_s", "restore_disk_s", "extra_bytes")
+
+
+def combine(results: list[dict]) -> dict:
+    """Several runs of one configuration as one result: each peer's figure is the
+    median of the runs' (each run's the median of its saves), the runs' own values
+    kept in the row's ``runs``; floors likewise. A peer that failed in some runs is
+    the median of the others (``ok_runs`` says how many)."""
+    base = results[0]
+    rows = []
+    for r0 in base["rows"]:
+        same = [r for res in results for r in res["rows"]
+                if r["peer"] == r0["peer"] and r["ranks"] == r0["ranks"] and "failed" not in r]
+        if not same:
+            rows.append(r0)
+            continue
+        row = dict(same[0])
+        row["runs"] = {k: [r[k] for r in same] for k in FIGURES}
+        for k in FIGURES:
+            vals = [v for v in row["runs"][k] if v is not None]
+            row[k] = median(vals) if vals else None
+        row["restore_ok"] = all(r["restore_ok"] for r in same)
+        row["ok_runs"] = len(same)
+        rows.append(row)
+    floors = {k: median([res["floors"][k] for res in results]) for k in base["floors"]}
+    return {**base, "floors": floors, "rows": rows, "runs": len(results),
+            "loadavg": [max(res["loadavg"][0] for res in results)] + list(base["loadavg"][1:]),
+            "time": ", ".join(res["time"] for res in results)}
+
+
 def markdown(result: dict) -> str:
     """The result as bench/README.md's tables (one per rank count)."""
     fl = result["floors"]
+    runs = result.get("runs")
+    what = (f"medians of {runs} runs, each the median of {result['reps']} saves (a first "
+            "save apart), the runs' values in brackets; highest load average "
+            if runs else f"medians of {result['reps']} saves (a first save apart); load average ")
     lines = [f"State {result['bytes'] / 1e6:.0f} MB in {result['ntensors']} tensors per rank; "
-             f"medians of {result['reps']} saves (a first save apart); load average "
-             f"{result['loadavg'][0]:.1f} on {result['cpus']} CPUs; {result['time']}.",
+             f"{what}{result['loadavg'][0]:.1f} on {result['cpus']} CPUs; {result['time']}.",
              "",
              f"Floors: copy {fl['copy'] * 1e3:.1f} ms (memcpy {fl['memcpy'] * 1e3:.1f}, "
              f"Tensor.copy_ {fl['Tensor.copy_'] * 1e3:.1f}), direct-I/O write "
@@ -451,11 +485,23 @@ def markdown(result: dict) -> str:
                 parts = [f"{d['processes']} processes"] if d["processes"] else []
                 parts += [f"{k}/{n}" for k in ("/dev/shm", "/tmp") for n in d[k]]
                 return ", ".join(parts) or "nothing"
+
+            def fig(key, scale, spec):
+                v = r[key]
+                if v is None:
+                    return "–"
+                out = format(v * scale, spec)
+                if "runs" in r and len(r["runs"][key]) > 1:
+                    out += " (" + ", ".join("–" if x is None else format(x * scale, spec)
+                                            for x in r["runs"][key]) + ")"
+                return out
+            runs_ok = (f" [{r['ok_runs']} of {runs} runs]"
+                       if runs and r.get("ok_runs", runs) < runs else "")
             lines.append(
-                f"| {r['peer']} {r['version']}{' (patched)' if r['patch'] else ''} | "
-                f"{r['stall_s'] * 1e3:.1f} | {r['durable_s']:.3f} | "
-                f"{r['restore_fast_s']:.3f} ({r['restore_tier']}) | "
-                f"{'–' if r['restore_disk_s'] is None else format(r['restore_disk_s'], '.3f')} | "
+                f"| {r['peer']} {r['version']}{' (patched)' if r['patch'] else ''}{runs_ok} | "
+                f"{fig('stall_s', 1e3, '.1f')} | {fig('durable_s', 1, '.3f')} | "
+                f"{fig('restore_fast_s', 1, '.3f')} ({r['restore_tier']}) | "
+                f"{fig('restore_disk_s', 1, '.3f')} | "
                 f"{r['extra_bytes'] / 1e6:.0f} | {r['first_save']['stall_s'] * 1e3:.1f} / "
                 f"{r['first_save']['durable_s']:.2f} | {left(r['left_after_kill'])} | "
                 f"{left(r['left_after_close'])}"
@@ -478,7 +524,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-chart", action="store_true")
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="print an earlier run's tables (markdown) and redraw its chart")
+    ap.add_argument("--median", type=Path, nargs="+", metavar="JSON",
+                    help="several earlier runs of one configuration: print the medians' "
+                    "tables (each run's value in brackets); with --out, write the combined "
+                    "JSON and its chart")
     args = ap.parse_args(argv)
+    if args.median:
+        result = combine([json.loads(p.read_text()) for p in args.median])
+        print(markdown(result))
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
+            chart(result, args.out.with_suffix(".png"))
+        return 0
     if args.render:
         result = json.loads(args.render.read_text())
         print(markdown(result))

@@ -206,9 +206,9 @@ TEST(SharedReadTest, SharedRequestsGoThroughThePageCacheTheRestDirect) {
   Status s = (*reader)->Read(reqs, &pool);
   ASSERT_TRUE(s.ok()) << s.ToString();
   for (int i = 0; i < 3; ++i) EXPECT_EQ(back[i], st.data[i]) << "t" << i;
-  EXPECT_EQ(fs.direct_bytes.load(), uint64_t{2} << 20);     // t1
-  EXPECT_EQ(fs.buffered_bytes.load(), uint64_t{4} << 20);   // t0 and t2
-  EXPECT_EQ(fs.opened_buffered.load(), 1);  // the data file, a second time, once
+  EXPECT_EQ(fs.direct_bytes.load(), uint64_t{2} << 20);    // t1
+  EXPECT_EQ(fs.buffered_bytes.load(), uint64_t{4} << 20);  // t0 and t2
+  EXPECT_EQ(fs.opened_buffered.load(), 1);                 // the data file, a second time, once
   // Read again: the files stay open.
   ASSERT_TRUE((*reader)->Read(reqs, &pool).ok());
   EXPECT_EQ(fs.opened_buffered.load(), 1);
@@ -261,8 +261,8 @@ TEST(SharedReadTest, AFileUseFileGaveServesSharedRequestsAsItIs) {
   ASSERT_TRUE(given.ok());
   ASSERT_TRUE((*reader)->UseFile(m.files[0].key, std::move(*given)).ok());
   std::vector<float> back(st.data[0].size());
-  ReadRequest r{{ItemRef::Kind::kTensorChunk, ThreeTensors::Index(m, "t0"), 0}, back.data(),
-                back.size() * 4};
+  ReadRequest r{
+      {ItemRef::Kind::kTensorChunk, ThreeTensors::Index(m, "t0"), 0}, back.data(), back.size() * 4};
   r.shared = true;
   ASSERT_TRUE((*reader)->Read({r}, &pool).ok());
   EXPECT_EQ(back, st.data[0]);
