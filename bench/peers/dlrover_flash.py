@@ -108,6 +108,8 @@ class DlroverFlash:
                 dist.barrier()
             if rank0:
                 hidden.rename(step_dir)
+            if dist.is_initialized():  # no rank reads the files before they are back
+                dist.barrier()
         if sd:
             from . import copy_into
             copy_into(dest, _unwrap(sd[list(sd)[0]]) if len(sd) == 1 else _unwrap(sd))
